@@ -1,0 +1,94 @@
+"""The paged KV cache: its layout, its allocation, and its fingerprint.
+
+Layout (the contract the transfer service relies on): one tensor per layer,
+
+    kv[layer]: [num_blocks, 2, block_size, num_kv_heads, head_dim]
+
+so block ``b`` of layer ``l`` is the contiguous slab ``kv[l][b]`` of
+``2 * block_size * num_kv_heads * head_dim`` elements (keys first, then
+values). A transfer moves whole slabs; it never reshapes.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, block_size: int, dtype: str) -> "KVCacheSpec":
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_numel(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        return self.block_numel * torch_dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers."""
+        return self.bytes_per_block_per_layer * self.num_layers
+
+    def num_blocks_for_memory(self, gigabytes: float) -> int:
+        return max(1, int(gigabytes * (1 << 30)) // self.bytes_per_block)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Zeroed per-layer KV tensors in the layout documented above."""
+    dt = torch_dtype(spec.dtype)
+    return [torch.zeros((num_blocks, *spec.block_shape), dtype=dt, device=device)
+            for _ in range(spec.num_layers)]
+
+
+def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -> dict[str, str]:
+    """What two workers must agree on before KV blocks may move between them.
+
+    Values are strings so the handshake can compare field by field and name
+    the first field that differs.
+    """
+    fp = {
+        "architecture": model.architecture,
+        "num_layers": str(spec.num_layers),
+        "num_kv_heads": str(spec.num_kv_heads),
+        "head_dim": str(spec.head_dim),
+        "block_size": str(spec.block_size),
+        "dtype": spec.dtype,
+        "hidden_size": str(model.hidden_size),
+        "vocab_size": str(model.vocab_size),
+        "tp_size": str(tp_size),
+    }
+    return fp
+
+
+def spec_to_dict(spec: KVCacheSpec) -> dict:
+    return asdict(spec)
