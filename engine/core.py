@@ -1,0 +1,130 @@
+"""EngineCore: one model, one KV cache, one scheduler; step() = schedule →
+execute → update. Used by the offline LLM and by both serving stages."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
+from engine.kv_manager import KVCacheManager
+from engine.model import LayerHook, LlamaModel
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+def pick_dtype(name: str, device: str) -> str:
+    """`auto`: bf16 where the hardware runs it fast (CUDA, CPUs with AVX512-BF16/AMX), else fp32."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        return "bfloat16"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model_config = model_config
+        self.dtype_name = pick_dtype(config.dtype, config.device)
+        dtype = torch_dtype(self.dtype_name)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context "
+                f"({model_config.max_position_embeddings})")
+        self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len)
+        self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name)
+        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, config.device)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.seed)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int = 1) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens does not fit the context of {self.max_model_len} tokens")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        need = -(-min(n + max_tokens, self.max_model_len) // self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt: {n} tokens + max_tokens {max_tokens} needs {need} KV blocks; "
+                f"the cache has {self.pool.num_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already running")
+        self.check_prompt(seq.prompt_token_ids, 1 if seq.prefill_only else seq.params.max_tokens)
+        if not seq.eos_token_ids:
+            seq.eos_token_ids = self.eos_token_ids
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt KV is already in ``seq.block_ids`` and
+        whose first token is in ``seq.output_token_ids`` (decode stage)."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        if not seq.eos_token_ids:
+            seq.eos_token_ids = self.eos_token_ids
+        self._seqs[seq.request_id] = seq
+        self.kv.cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
+
+    def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
+              error: str | None = None) -> Sequence | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, status, error)
+        return seq
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self._seqs.pop(seq.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ------------------------------------------------------
+    def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched.scheduled, layer_hook)
+        self.num_steps += 1
+        now = time.monotonic()
+        outputs = []
+        for seq in self.scheduler.update(sched, sampled):
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
+        return outputs

@@ -1,0 +1,151 @@
+"""`LLM`: the offline, single-process API. Continuous batching, chunked
+prefill, prefix caching and preemption come from EngineCore; this adds
+tokenization, detokenization and stop strings.
+
+    llm = LLM()                                    # the default model
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].text)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.output import OutputProcessor, RequestOutput
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+    ):
+        from engine.tokenizer import Tokenizer
+        from engine.weights import load_checkpoint, resolve_model
+
+        config = EngineConfig(
+            dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, seed=seed)
+        config.validate()
+        self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
+        model_config, weights = load_checkpoint(self.model_dir, torch.float32)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        if not model_config.eos_token_ids and self.tokenizer.eos_token_ids:
+            import dataclasses
+            model_config = dataclasses.replace(model_config, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
+        self.core = EngineCore(model_config, weights, config)
+        eos = set(model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.core.eos_token_ids = frozenset(eos)
+        del weights
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def model_config(self):
+        return self.core.model_config
+
+    # ---- request intake -------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError("prompt: must be a string or a list of token ids")
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(request_id, self.encode(prompt), params)
+        self.core.add(seq)
+        self.outputs.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self.outputs.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of requests that produced a token."""
+        results = []
+        for out in self.core.step():
+            ro, stopped = self.outputs.process(out.seq, out.new_token_ids)
+            if stopped:
+                self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
+                ro.metrics = out.seq.metrics.as_dict()
+            results.append(ro)
+        return results
+
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+            final: dict[str, RequestOutput] = {}
+            while len(final) < len(ids):
+                for ro in self.step():
+                    if ro.finished:
+                        final[ro.request_id] = ro
+            return [final[i] for i in ids]
+        finally:
+            for i in ids:
+                if self.core.scheduler.find(i) is not None:
+                    self.abort(i)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.apply_chat_template(m) for m in convs], params)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one output per new token for a single request (alongside any
+        other requests already in the engine)."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for ro in self.step():
+                    if ro.request_id == rid:
+                        yield ro
+                        if ro.finished:
+                            return
+        finally:
+            if self.core.scheduler.find(rid) is not None:
+                self.abort(rid)

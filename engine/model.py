@@ -1,0 +1,169 @@
+"""The Llama family of dense decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+
+The model is a pure function of (tokens, positions, batch metadata, KV cache):
+``forward`` writes each layer's new keys and values into the paged cache and
+returns the final hidden states. Sampling positions are picked by the caller.
+Weights are taken in Hugging Face naming and fused at load (q|k|v, gate|up).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import BatchMetadata, paged_attention
+from engine.config import ConfigError, ModelConfig
+
+LayerHook = Callable[[int], None]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class Rotary:
+    """Precomputed cos/sin tables; applied in the rotate-half (HF) layout."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device):
+        inv_freq = rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
+        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos, sin: [T, 1, D]
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+class Layer:
+    __slots__ = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "q_norm", "k_norm")
+
+
+class LlamaModel:
+    """Weights as plain tensors; no nn.Module machinery on the hot path."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: str | torch.device = "cpu", max_positions: int | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        w = _WeightTaker(weights, dtype, self.device)
+        self.embed = w.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.layers: list[Layer] = []
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            L = Layer()
+            L.in_norm = w.take(p + "input_layernorm.weight", (H,))
+            L.post_norm = w.take(p + "post_attention_layernorm.weight", (H,))
+            L.qkv_w = torch.cat([
+                w.take(p + "self_attn.q_proj.weight", (self.q_size, H)),
+                w.take(p + "self_attn.k_proj.weight", (self.kv_size, H)),
+                w.take(p + "self_attn.v_proj.weight", (self.kv_size, H)),
+            ]).contiguous()
+            L.qkv_b = torch.cat([
+                w.take(p + "self_attn.q_proj.bias", (self.q_size,)),
+                w.take(p + "self_attn.k_proj.bias", (self.kv_size,)),
+                w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
+            ]) if cfg.attention_bias else None
+            L.o_w = w.take(p + "self_attn.o_proj.weight", (H, self.q_size))
+            L.gate_up_w = torch.cat([
+                w.take(p + "mlp.gate_proj.weight", (I, H)),
+                w.take(p + "mlp.up_proj.weight", (I, H)),
+            ]).contiguous()
+            L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
+            if cfg.qk_norm:
+                L.q_norm = w.take(p + "self_attn.q_norm.weight", (cfg.head_dim,))
+                L.k_norm = w.take(p + "self_attn.k_norm.weight", (cfg.head_dim,))
+            else:
+                L.q_norm = L.k_norm = None
+            self.layers.append(L)
+        self.norm = w.take("model.norm.weight", (H,))
+        if "lm_head.weight" in weights:
+            self.lm_head = w.take("lm_head.weight", (cfg.vocab_size, H))
+        elif cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: BatchMetadata,
+        kv_caches: list[torch.Tensor],
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        T = input_ids.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)  # [T, H]
+        residual = x
+        for i, L in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), L.in_norm, eps)
+            qkv = F.linear(h, L.qkv_w, L.qkv_b).view(T, nh + 2 * nkv, hd)
+            qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv:]
+            if L.q_norm is not None:
+                qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), L.q_norm, eps),
+                                F.rms_norm(qk[:, nh:], (hd,), L.k_norm, eps)], dim=1)
+            qk = self.rotary(qk, cos, sin)  # q and k rotated in one pass
+            q, k = qk[:, :nh], qk[:, nh:]
+            attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale)  # [T, nh, hd]
+            if layer_hook is not None:
+                layer_hook(i)
+            x = residual + F.linear(attn.view(T, self.q_size), L.o_w)
+            residual = x
+            h = F.rms_norm(x, (x.shape[-1],), L.post_norm, eps)
+            gate, up = F.linear(h, L.gate_up_w).chunk(2, dim=-1)
+            x = residual + F.linear(F.silu(gate) * up, L.down_w)
+            residual = x
+        return F.rms_norm(x, (x.shape[-1],), self.norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        return F.linear(hidden, self.lm_head).float()
+
+
+class _WeightTaker:
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.weights.get(name)
+        if t is None:
+            raise ConfigError(f"checkpoint: missing tensor {name!r}")
+        if tuple(t.shape) != shape:
+            raise ConfigError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t.to(device=self.device, dtype=self.dtype).contiguous()

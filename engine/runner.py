@@ -1,0 +1,85 @@
+"""Turns a scheduled batch into tensors, runs the model, and samples."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import BatchMetadata, PrefillChunk
+from engine.model import LayerHook, LlamaModel
+from engine.sampling import Sampler
+from engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int, seed: int = 0):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = model.device
+        self.sampler = Sampler(seed, self.device)
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata, list[int]]:
+        """Decode sequences first, then prefill chunks. Returns input ids,
+        positions, attention metadata, and the batch index of each sampling
+        position (in ``batch`` order)."""
+        bs = self.block_size
+        decodes = [s for s in batch if s.num_new_tokens == 1 and s.start > 0]
+        prefills = [s for s in batch if not (s.num_new_tokens == 1 and s.start > 0)]
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        sample_index: dict[int, int] = {}
+        for s in decodes:
+            sample_index[id(s)] = len(ids)
+            ids.append(s.seq.token_at(s.start))
+            pos.append(s.start)
+            slot_blocks.append(s.seq.block_ids[s.start // bs])
+            slot_offsets.append(s.start % bs)
+        meta = BatchMetadata(slot_blocks=None, slot_offsets=None, num_decode=len(decodes))
+        if decodes:
+            ctx = [s.start + 1 for s in decodes]
+            nb = [-(-c // bs) for c in ctx]
+            max_nb = max(nb)
+            table = torch.zeros((len(decodes), max_nb), dtype=torch.long)
+            for r, s in enumerate(decodes):
+                table[r, : nb[r]] = torch.tensor(s.seq.block_ids[: nb[r]])
+            meta.decode_block_tables = table.to(self.device)
+            meta.decode_context_lens = torch.tensor(ctx)
+            if min(ctx) != max_nb * bs:
+                mask = torch.arange(max_nb * bs).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1)
+                meta.decode_mask = mask[:, None, None, :].to(self.device)
+        for s in prefills:
+            n, start = s.num_new_tokens, s.start
+            q0 = len(ids)
+            ids.extend(s.seq.tokens_slice(start, start + n))
+            pos.extend(range(start, start + n))
+            blocks = s.seq.block_ids
+            for p in range(start, start + n):
+                slot_blocks.append(blocks[p // bs])
+                slot_offsets.append(p % bs)
+            ctx = start + n
+            meta.prefills.append(PrefillChunk(
+                query_start=q0, num_queries=n, context_len=ctx,
+                block_table=torch.tensor(blocks[: -(-ctx // bs)], dtype=torch.long, device=self.device),
+            ))
+            if s.samples:
+                sample_index[id(s)] = q0 + n - 1
+        dev = self.device
+        meta.slot_blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
+        meta.slot_offsets = torch.tensor(slot_offsets, dtype=torch.long, device=dev)
+        sample_rows = [sample_index[id(s)] for s in batch if s.samples]
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> dict[str, tuple[int, dict | None]]:
+        """Run one forward pass; returns {request_id: (token, logprobs)} for sampling sequences."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
+        samplers = [s for s in batch if s.samples]
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens, infos = self.sampler(
+            logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
+        return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

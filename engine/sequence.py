@@ -1,0 +1,110 @@
+"""The one request object that flows through the scheduler and runner."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # everything from here on is finished
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    def as_dict(self) -> dict:
+        d = {"num_preemptions": self.num_preemptions}
+        if self.first_scheduled_time is not None:
+            d["queue_time"] = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            d["ttft"] = self.first_token_time - self.arrival_time
+        if self.finished_time is not None:
+            d["e2e"] = self.finished_time - self.arrival_time
+        return d
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_prefix_hit_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    generator: torch.Generator | None = None
+    # prefill-only sequences stop after their first token and keep their blocks
+    # (the prefill stage frees them once the KV transfer has finished)
+    prefill_only: bool = False
+
+    def __post_init__(self):
+        if self.params.seed is not None and not self.params.is_greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
