@@ -246,9 +246,12 @@ class Router:
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica. Placements on it stay active until released."""
         self._replicas.pop(replica_id)
+        self._fail_waiters_if_a_stage_is_gone()
 
     def mark_dead(self, replica_id: str) -> None:
+        """Stop placing on a replica. Waiters fail with NoReplicaError if it was a stage's last."""
         self._replicas[replica_id].is_alive = False
+        self._fail_waiters_if_a_stage_is_gone()
 
     def mark_alive(self, replica_id: str) -> None:
         self._replicas[replica_id].is_alive = True
@@ -354,6 +357,15 @@ class Router:
                                   chosen[Stage.PREFILL].replica_id, next(self._seq))
         self._active[placement.seq] = placement
         return placement
+
+    def _fail_waiters_if_a_stage_is_gone(self) -> None:
+        try:
+            self._check_live()
+        except NoReplicaError as e:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_exception(NoReplicaError(str(e)))
 
     def _expire(self, waiter: _Waiter) -> None:
         if waiter.future.done():

@@ -258,3 +258,21 @@ def test_every_acquire_is_released(ops, policy):
         await asyncio.gather(*(one(router, n, hold, cancel) for n, hold, cancel in ops))
         assert_no_leaks(router)
     asyncio.run(main())
+
+
+def test_waiters_fail_fast_when_a_stage_loses_its_last_replica():
+    async def main():
+        router = make_router(1, 2, max_inflight_per_replica=1, queue_timeout_s=5)
+        held = [await router.acquire(req())]
+        waiting = [asyncio.create_task(router.acquire(req())) for _ in range(2)]
+        await asyncio.sleep(0)
+        router.mark_dead("d1")  # decode still has d0: keep waiting
+        await asyncio.sleep(0)
+        assert not any(t.done() for t in waiting)
+        router.mark_dead("p0")  # no prefill replica left
+        for t in waiting:
+            with pytest.raises(NoReplicaError, match="no live prefill replica"):
+                await t
+        router.release(held.pop())
+        assert_no_leaks(router)
+    asyncio.run(main())
