@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.types import GenerateRequest, NoReplicaError, OverloadedError, Stage
+from cluster.types import GenerateRequest, NoReplicaError, OverloadedError, ReplicaStatus, Stage
 from engine.block_pool import compute_block_hashes
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
@@ -223,6 +223,8 @@ class _Waiter:
 # ---- the router ---------------------------------------------------------------
 
 class Router:
+    """Not thread-safe: call it from one event loop (the frontend's)."""
+
     def __init__(self, config: RouterConfig):
         if config.policy not in _POLICY_CLASSES:
             raise ValueError(f"router.policy: must be one of {POLICIES}, got {config.policy!r}")
@@ -272,6 +274,12 @@ class Router:
 
     def replicas(self) -> list[Replica]:
         return list(self._replicas.values())
+
+    def replica_statuses(self) -> tuple[ReplicaStatus, ...]:
+        """Each replica's last report and in-flight count, for `Backend.status`."""
+        return tuple(ReplicaStatus(r.replica_id, r.stage, r.is_alive, r.load.num_running_seqs,
+                                   r.load.num_queued_prefill_tokens, r.num_in_flight, r.load.num_free_blocks,
+                                   r.load.num_total_blocks) for r in self._replicas.values())
 
     @property
     def num_waiting(self) -> int:

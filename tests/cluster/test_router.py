@@ -44,6 +44,8 @@ def test_least_loaded_sends_work_to_the_idle_replica():
     report(router, "d1", Stage.DECODE, num_free_blocks=90, num_total_blocks=100, num_running_seqs=3)
     p = router.try_place(req())
     assert (p.prefill_replica, p.decode_replica) == ("p1", "d1")
+    statuses = {s.replica_id: s for s in router.replica_statuses()}
+    assert statuses["d1"].num_in_flight == 1 and statuses["d1"].kv_usage == pytest.approx(0.1)
     router.release(p)
     assert_no_leaks(router)
 
