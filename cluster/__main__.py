@@ -1,0 +1,6 @@
+"""``python -m cluster`` is the ``kvrelay`` command."""
+import sys
+
+from cluster.cli import main
+
+sys.exit(main())

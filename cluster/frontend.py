@@ -1,0 +1,226 @@
+"""The gRPC frontend: `kvrelay.v1.KVRelay` over a `Backend`.
+
+A Generate call: authenticate (``authorization: Bearer <key>`` when keys are
+configured) → check the model → tokenize (text, or chat messages through the
+chat template, or token ids as given) → validate (`cluster.validation`) →
+stream the backend's deltas. If the client goes away, or the call fails, the
+request is aborted in the backend. Errors map to status codes:
+
+    InvalidRequestError → INVALID_ARGUMENT     OverloadedError → RESOURCE_EXHAUSTED
+    missing/wrong key   → UNAUTHENTICATED      anything else   → UNAVAILABLE
+
+The server also carries grpc.health.v1 and server reflection. Protobuf stops
+here: the backend sees only `cluster.types`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.backend import Backend
+from cluster.spec import FrontendConfig
+from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
+                           NoReplicaError, OverloadedError)
+from cluster.validation import check_model, check_request_id, validate_request
+from protos.kvrelay.v1 import serving_pb2 as pb
+from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+
+
+class KVRelayServicer(pb_grpc.KVRelayServicer):
+    def __init__(self, backend: Backend, api_keys: tuple[str, ...] = ()):
+        self.backend = backend
+        self._api_keys = tuple(k.encode() for k in api_keys)
+        self._active: set[str] = set()
+
+    # ---- RPCs ----------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._authenticate(context)
+        try:
+            req = self._to_request(request)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.request_id in self._active:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {req.request_id!r} is already running")
+        self._active.add(req.request_id)
+        failure: tuple[grpc.StatusCode, str] | None = None
+        finished = False
+        try:
+            num_generated = 0
+            async with contextlib.aclosing(self.backend.generate(req)) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason is FinishReason.ERROR:
+                        failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {delta.error or 'unknown error'}")
+                        break
+                    num_generated += len(delta.token_ids)
+                    await context.write(self._to_response(delta, req, num_generated))
+                    if delta.finish_reason is not None:
+                        finished = True
+                        break
+            if not finished and failure is None:
+                failure = (grpc.StatusCode.UNAVAILABLE, "the backend ended the stream without finishing the request")
+        except OverloadedError as e:
+            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NoReplicaError as e:
+            failure = (grpc.StatusCode.UNAVAILABLE, str(e))
+        except InvalidRequestError as e:
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            log.info("request %s cancelled by the client", req.request_id)
+            raise
+        except Exception as e:  # a failure inside the cluster: the client gets UNAVAILABLE, the log the trace
+            log.exception("request %s failed", req.request_id)
+            failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {type(e).__name__}: {e}")
+        finally:
+            self._active.discard(req.request_id)
+            if not finished:
+                await asyncio.shield(self._abort(req.request_id))
+        if failure is not None:
+            await context.abort(*failure)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        await self._authenticate(context)
+        b = self.backend
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=b.model_name, max_model_len=b.max_model_len,
+                                                          vocab_size=b.vocab_size)])
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        await self._authenticate(context)
+        try:
+            status = await self.backend.status()
+        except Exception as e:
+            log.exception("status failed")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"status failed: {type(e).__name__}: {e}")
+        return status_to_proto(status)
+
+    # ---- helpers -------------------------------------------------------------
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._api_keys:
+            return
+        header = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
+        # Compare against every key so the time taken says nothing about which matched.
+        matches = [hmac.compare_digest(key.strip().encode(), k) for k in self._api_keys]
+        if not any(matches):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+
+    def _to_request(self, request: pb.GenerateRequest) -> GenerateRequest:
+        b = self.backend
+        check_model(request.model, b.model_name)
+        if request.request_id:
+            check_request_id(request.request_id)
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequestError("prompt", "must not be empty")
+            token_ids = list(b.tokenizer.encode(request.text))
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequestError("chat", "must hold at least one message")
+            if any(not m["role"] for m in messages):
+                raise InvalidRequestError("chat", "every message needs a role")
+            text = b.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            token_ids = list(b.tokenizer.encode(text, add_special_tokens=False))
+        elif kind == "token_ids":
+            token_ids = list(request.token_ids.ids)
+        else:
+            raise InvalidRequestError("prompt", "give one of text, chat or token_ids")
+        s = request.sampling
+        opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+        sampling = validate_request(
+            token_ids, max_model_len=b.max_model_len, vocab_size=b.vocab_size,
+            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
+            top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
+        )
+        return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling)
+
+    @staticmethod
+    def _to_response(delta: GenerateDelta, req: GenerateRequest, num_generated: int) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=req.request_id, text=delta.text, token_ids=delta.token_ids)
+        if delta.logprobs:
+            resp.logprobs.extend(
+                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+                for lp in delta.logprobs)
+        if delta.finish_reason is not None:
+            resp.finish_reason = _FINISH[delta.finish_reason]
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=num_generated,
+                                         cached_prompt_tokens=delta.num_cached_tokens))
+        return resp
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.backend.abort(request_id)
+        except Exception:
+            log.exception("abort of request %s failed", request_id)
+
+
+def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
+    return pb.GetStatusResponse(
+        model=status.model_name, mode=status.mode, waiting=status.num_waiting,
+        replicas=[pb.ReplicaStatus(
+            replica_id=r.replica_id, stage=r.stage.value, alive=r.is_alive, running_seqs=r.num_running_seqs,
+            queued_prefill_tokens=r.num_queued_prefill_tokens, in_flight=r.num_in_flight,
+            free_blocks=r.num_free_blocks, total_blocks=r.num_total_blocks, kv_usage=r.kv_usage,
+        ) for r in status.replicas],
+    )
+
+
+class GrpcFrontend:
+    """An asyncio gRPC server: the KVRelay service, health and reflection."""
+
+    def __init__(self, backend: Backend, config: FrontendConfig):
+        self.config = config
+        self.servicer = KVRelayServicer(backend, config.api_keys)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (useful with grpc_port 0)."""
+        c = self.config
+        server = grpc.aio.server()
+        pb_grpc.add_KVRelayServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{c.host}:{c.grpc_port}"
+        if c.tls_cert_file:
+            key, cert = Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes()
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server, self.port = server, port
+        log.info("kvrelay gRPC frontend on %s:%d (%s)", c.host, port, "TLS" if c.tls_cert_file else "plaintext")
+        return port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Report NOT_SERVING, let running calls finish for ``grace`` seconds, then stop."""
+        if self.server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.server = None
+
+    async def wait_for_termination(self) -> None:
+        if self.server is not None:
+            await self.server.wait_for_termination()

@@ -1,0 +1,400 @@
+"""The YAML cluster spec: one file describes a deployment.
+
+The spec is validated once, on load; every problem is reported with its path
+(``decode.replicas: must be >= 1``) in one `SpecError`. `split_spec` then cuts
+it into the small configs each component gets, so no component sees the
+whole spec.
+
+Example (every field has a default, so ``{}`` is a valid spec)::
+
+    model: SmolLM2-135M-Instruct
+    mode: disaggregated
+    prefill: {replicas: 1, resources: {num_cpus: 2}}
+    decode:  {replicas: 1, num_kv_blocks: 512}
+    transfer: {backend: grpc}
+    router: {policy: least_loaded}
+    frontend: {grpc_port: 50051, http_port: 8000}
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.router import RouterConfig
+from cluster.types import Stage
+from engine.config import EngineConfig
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class SpecError(ValueError):
+    """The spec is invalid. ``problems`` holds one ``"<path>: <message>"`` per error."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        head = f"invalid cluster spec {source}" if source else "invalid cluster spec"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class Resources(_Strict):
+    """Ray resources of one worker process (one per tensor-parallel rank)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)  # e.g. {"node:10.0.0.2": 0.01}
+
+    @field_validator("custom")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, amount in v.items() if amount < 0]
+        if bad:
+            raise ValueError(f"amounts must be >= 0 (bad: {', '.join(bad)})")
+        return v
+
+
+class StageSpec(_Strict):
+    """One stage's replicas and the engine knobs of each replica.
+
+    Give ``num_kv_blocks`` or ``kv_cache_memory_gb``, not both; with neither,
+    the engine sizes its cache from its default memory budget.
+    """
+
+    replicas: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    resources: Resources = Field(default_factory=Resources)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StageSpec":
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_gb, not both")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be >= block_size ({self.block_size})")
+        return self
+
+    def engine_config(self, dtype: str, seed: int = 0) -> EngineConfig:
+        kwargs: dict[str, Any] = {}
+        if self.kv_cache_memory_gb is not None:
+            kwargs["kv_cache_memory_gb"] = self.kv_cache_memory_gb
+        return EngineConfig(
+            dtype=dtype,
+            device="cuda" if self.resources.num_gpus > 0 else "cpu",
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=seed,
+            **kwargs,
+        )
+
+
+class TransferOptions(_Strict):
+    lease_s: float = Field(30.0, gt=0)  # reserved blocks whose KV never came are freed after this
+    deadline_s: float = Field(60.0, gt=0)  # a transfer ends DONE or FAILED within this
+    checksum: bool = False  # verify each chunk's checksum on receipt
+
+
+class TransferSpec(_Strict):
+    backend: Literal["nccl", "grpc", "local"] = "grpc"
+    options: TransferOptions = Field(default_factory=TransferOptions)
+
+
+class RouterSpec(_Strict):
+    policy: Literal["round_robin", "least_loaded", "power_of_two", "prefix_aware"] = "least_loaded"
+    max_queue: int = Field(256, ge=0)  # requests waiting for capacity; 0 refuses at once
+    queue_timeout_s: float = Field(30.0, gt=0)
+    max_inflight_per_replica: int | None = Field(None, ge=1)  # None: the stage's max_num_seqs
+    seed: int = 0  # power_of_two's RNG
+
+
+class TLSSpec(_Strict):
+    cert_file: str
+    key_file: str
+
+
+class FrontendSpec(_Strict):
+    host: str = "0.0.0.0"
+    grpc_port: int = Field(50051, ge=0, le=65535)  # 0: any free port
+    http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
+    tls: TLSSpec | None = None
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> "FrontendSpec":
+        if self.http_port is not None and self.http_port == self.grpc_port != 0:
+            raise ValueError(f"grpc_port and http_port must differ (both {self.grpc_port})")
+        return self
+
+
+class AuthSpec(_Strict):
+    """API keys for clients and the secret the KV transfer handshake checks.
+
+    API keys come from at most one source: ``api_keys`` inline, an environment
+    variable holding comma-separated keys, or a file with one key a line
+    (``#`` comments allowed). No keys: the frontends accept every client.
+    The cluster secret comes from an environment variable or a file; with
+    neither, the launcher makes a random one per deployment.
+    """
+
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None
+    api_keys_file: str | None = None
+    cluster_secret_env: str | None = None
+    cluster_secret_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AuthSpec":
+        sources = [n for n in ("api_keys", "api_keys_env", "api_keys_file") if getattr(self, n)]
+        if len(sources) > 1:
+            raise ValueError(f"give at most one of api_keys, api_keys_env, api_keys_file (got {', '.join(sources)})")
+        if self.cluster_secret_env and self.cluster_secret_file:
+            raise ValueError("give at most one of cluster_secret_env, cluster_secret_file")
+        if any(not k.strip() for k in self.api_keys):
+            raise ValueError("api_keys: keys must be non-empty")
+        return self
+
+    def resolve_api_keys(self) -> list[str]:
+        """The configured API keys (empty: no auth). Raises SpecError naming a missing env var or file."""
+        if self.api_keys:
+            return list(self.api_keys)
+        if self.api_keys_env:
+            raw = _read_env("auth.api_keys_env", self.api_keys_env)
+            keys = [k.strip() for k in raw.split(",") if k.strip()]
+        elif self.api_keys_file:
+            raw = _read_file("auth.api_keys_file", self.api_keys_file)
+            keys = [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        else:
+            return []
+        if not keys:
+            where = self.api_keys_env or self.api_keys_file
+            raise SpecError([f"auth: no API keys found in {where}"])
+        return keys
+
+    def resolve_cluster_secret(self) -> str | None:
+        """The cluster secret, or None when the spec sets no source."""
+        if self.cluster_secret_env:
+            secret = _read_env("auth.cluster_secret_env", self.cluster_secret_env).strip()
+        elif self.cluster_secret_file:
+            secret = _read_file("auth.cluster_secret_file", self.cluster_secret_file).strip()
+        else:
+            return None
+        if not secret:
+            raise SpecError([f"auth: the cluster secret in {self.cluster_secret_env or self.cluster_secret_file} is empty"])
+        return secret
+
+
+def _read_env(path: str, name: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise SpecError([f"{path}: environment variable {name} is not set"])
+    return value
+
+
+def _read_file(path: str, filename: str) -> str:
+    try:
+        return Path(filename).expanduser().read_text()
+    except OSError as e:
+        raise SpecError([f"{path}: cannot read {filename}: {e.strerror or e}"]) from None
+
+
+class RaySpec(_Strict):
+    address: str | None = None  # None: join the cluster of `ray job submit`, else start a local one
+    namespace: str = "kvrelay"
+
+
+class Spec(_Strict):
+    model: str = DEFAULT_MODEL  # a checkpoint folder, a GGUF file, or the default model's name
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: StageSpec = Field(default_factory=StageSpec)
+    decode: StageSpec = Field(default_factory=StageSpec)
+    colocated: StageSpec = Field(default_factory=StageSpec)
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    frontend: FrontendSpec = Field(default_factory=FrontendSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
+
+    @model_validator(mode="after")
+    def _sections_match_mode(self) -> "Spec":
+        problems = []
+        unused = {"disaggregated": ["colocated"], "colocated": ["prefill", "decode"]}[self.mode]
+        for name in unused:
+            if name in self.model_fields_set:
+                problems.append(f"{name}: section is not used in mode {self.mode!r}; remove it")
+        if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
+            problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
+                            f"so KV blocks transfer whole, got {self.decode.block_size}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "Spec":
+        """pydantic's model_validate, raising SpecError (a ValueError) with every problem's path."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise SpecError(format_errors(e)) from None
+
+    def stages(self) -> dict[Stage, StageSpec]:
+        if self.mode == "colocated":
+            return {Stage.COLOCATED: self.colocated}
+        return {Stage.PREFILL: self.prefill, Stage.DECODE: self.decode}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | None = None) -> "Spec":
+        """Validate ``data``; raises SpecError listing every problem with its path."""
+        try:
+            return cls.model_validate({} if data is None else data)
+        except SpecError as e:
+            raise SpecError(e.problems, source) from None
+
+
+def format_errors(err: ValidationError) -> list[str]:
+    """pydantic's errors as ``"<dotted.path>: <message>"`` lines."""
+    out = []
+    for e in err.errors(include_url=False):
+        path = ".".join(str(p) for p in e["loc"])
+        if not path and e["type"] == "value_error":  # a whole-spec check; its lines carry their paths
+            out.extend(_message(e).splitlines())
+        else:
+            out.append(f"{path or '(top level)'}: {_message(e)}")
+    return out
+
+
+def _message(e: dict[str, Any]) -> str:
+    kind, ctx = e["type"], e.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">",
+              "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        bound = f"{bound:g}" if isinstance(bound, float) else bound
+        return f"must be {op} {bound}, got {e['input']!r}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {e['input']!r}"
+    if kind == "value_error":
+        return str(ctx.get("error", e["msg"]))
+    return f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}" if "input" in e else e["msg"]
+
+
+def load_spec(path: str | os.PathLike) -> Spec:
+    """Read and validate a YAML spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError([f"cannot read {path}: {e.strerror or e}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+    if data is not None and not isinstance(data, dict):
+        raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], str(path))
+    return Spec.from_dict(data, str(path))
+
+
+# ---- per-component configs ---------------------------------------------------
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What the launcher needs to start one stage's replicas."""
+
+    stage: Stage
+    num_replicas: int
+    tensor_parallel_size: int
+    ray_options: dict[str, Any]  # num_cpus / num_gpus / resources of each worker
+    engine: EngineConfig
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str
+    lease_s: float
+    deadline_s: float
+    checksum: bool
+    cluster_secret: str | None  # None: the launcher makes one
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    http_port: int | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    dtype: str
+    mode: str
+    stages: dict[Stage, StageConfig]
+    transfer: TransferConfig
+    router: RouterConfig
+    frontend: FrontendConfig
+    ray_address: str | None
+    ray_namespace: str
+
+
+def split_spec(spec: Spec) -> ClusterConfig:
+    """Cut a validated spec into per-component configs, resolving secrets.
+
+    Raises SpecError when an auth env var or file the spec names is missing.
+    """
+    stages = {}
+    for stage, s in spec.stages().items():
+        ray_options: dict[str, Any] = {"num_cpus": s.resources.num_cpus, "num_gpus": s.resources.num_gpus}
+        if s.resources.custom:
+            ray_options["resources"] = dict(s.resources.custom)
+        stages[stage] = StageConfig(stage, s.replicas, s.tensor_parallel_size, ray_options,
+                                    s.engine_config(spec.dtype))
+    r = spec.router
+    capacity = {stage: r.max_inflight_per_replica or s.max_num_seqs for stage, s in spec.stages().items()}
+    router = RouterConfig(
+        mode=spec.mode, policy=r.policy, max_queue=r.max_queue, queue_timeout_s=r.queue_timeout_s,
+        max_inflight_per_replica=capacity, block_size=next(iter(spec.stages().values())).block_size,
+        seed=r.seed,
+    )
+    t = spec.transfer
+    transfer = TransferConfig(t.backend, t.options.lease_s, t.options.deadline_s, t.options.checksum,
+                              spec.auth.resolve_cluster_secret())
+    f = spec.frontend
+    frontend = FrontendConfig(
+        host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,
+        tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
+        api_keys=tuple(spec.auth.resolve_api_keys()),
+    )
+    return ClusterConfig(spec.model, spec.dtype, spec.mode, stages, transfer, router, frontend,
+                         spec.ray.address, spec.ray.namespace)

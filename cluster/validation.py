@@ -1,0 +1,91 @@
+"""Request validation shared by the frontends (gRPC and OpenAI HTTP).
+
+Every check raises `InvalidRequestError` whose message names the field:
+``max_tokens: must be >= 1``. Unset values (None) take the defaults of
+`SamplingParams`, except ``max_tokens``, which defaults to the rest of the
+context. ``top_k`` of 0 or -1 disables top-k (OpenAI clients send 0, vLLM
+clients -1); other negative values are errors.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from cluster.types import InvalidRequestError, SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_LEN = 128
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested and requested != served:
+        raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {served!r}")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters")
+
+
+def validate_request(
+    prompt_token_ids: Sequence[int],
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """Check a tokenized prompt and its sampling parameters; return the params to run with."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt", "must not be empty")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if n >= max_model_len:
+        raise InvalidRequestError("prompt", f"{n} tokens leave no room to generate in the model's "
+                                            f"context of {max_model_len} tokens")
+    room = max_model_len - n
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens < 1:
+        raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
+    elif max_tokens > room:
+        raise InvalidRequestError("max_tokens", f"{max_tokens} plus the prompt's {n} tokens exceed the "
+                                                f"model's context of {max_model_len} tokens (at most {room})")
+    d = SamplingParams()
+    temperature = d.temperature if temperature is None else temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequestError("temperature", f"must be >= 0, got {temperature}")
+    top_p = d.top_p if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = d.top_k if top_k is None else top_k
+    if top_k < -1:
+        raise InvalidRequestError("top_k", f"must be >= 1, or 0 or -1 to disable, got {top_k}")
+    min_p = d.min_p if min_p is None else min_p
+    if not 0 <= min_p <= 1:
+        raise InvalidRequestError("min_p", f"must be in [0, 1], got {min_p}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if any(not s for s in stop):
+        raise InvalidRequestError("stop", "strings must not be empty")
+    bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k,
+        min_p=min_p, seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=ignore_eos, logprobs=logprobs,
+    )

@@ -1,0 +1,86 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_validate_good_spec(capsys):
+    assert main(["validate", str(ROOT / "deploy" / "local.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "prefill x1" in out
+
+
+def test_validate_bad_spec_prints_paths(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode:\n  replicas: 0\nrouter:\n  policy: random\n  extra: 1\n")
+    assert main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "decode.replicas: must be >= 1, got 0" in err
+    assert "router.policy: must be one of" in err and "router.extra: unknown field" in err
+
+
+def test_validate_check_secrets(tmp_path, capsys, monkeypatch):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("auth:\n  api_keys_env: KVR_CLI_TEST_KEYS\n")
+    monkeypatch.delenv("KVR_CLI_TEST_KEYS", raising=False)
+    assert main(["validate", str(spec)]) == 0
+    assert main(["validate", "--check-secrets", str(spec)]) == 1
+    assert "environment variable KVR_CLI_TEST_KEYS is not set" in capsys.readouterr().err
+
+
+def test_python_dash_m_cluster_is_the_same_command(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: both\n")
+    run = subprocess.run([sys.executable, "-m", "cluster", "validate", str(bad)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "mode: must be one of" in run.stderr
+
+
+def test_client_commands(served, capsys):
+    assert main(["generate", "hello world", "--target", served.target, "--max-tokens", "2", "--show-tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "<s> hello" in out and "finish: length" in out and "[1, 6]" in out
+
+    assert main(["generate", "hello", "--target", served.target, "--stream", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "<s> hello \n"
+
+    assert main(["generate", "hello", "--target", served.target, "--max-tokens", "0"]) == 1
+    assert "INVALID_ARGUMENT: max_tokens: must be >= 1" in capsys.readouterr().err
+
+    assert main(["status", "--target", served.target]) == 0
+    out = capsys.readouterr().out
+    assert "model echo (colocated)" in out and "c1" in out and "NO" in out
+    assert main(["status", "--json", "--target", served.target]) == 0
+    assert '"replica_id": "c0"' in capsys.readouterr().out
+    assert main(["models", "--target", served.target]) == 0
+    assert capsys.readouterr().out.startswith("echo\t")
+
+
+def test_chat_keeps_history(served, capsys, monkeypatch):
+    lines = iter(["hello", "the cat", "/reset", "mat", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--target", served.target, "--system", "a"]) == 0
+    prompts = [r.prompt_token_ids for r in served.backend.requests]
+    # <s> <|system|> a <|user|> hello <|assistant|>
+    assert prompts[0] == [1, 3, 12, 4, 6, 5]
+    # the second turn carries the first exchange (the echo's reply as the assistant's message)
+    assert prompts[1][:6] == prompts[0] and prompts[1][-4:] == [4, 8, 9, 5]
+    assert prompts[2] == [1, 3, 12, 4, 13, 5]  # after /reset only the system message remains
+
+
+def test_serve_reports_a_bad_spec_without_starting(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode: {replicas: 0}\n")
+    assert main(["serve", str(bad)]) == 1
+    assert "decode.replicas" in capsys.readouterr().err
+
+
+def test_no_command_is_a_usage_error():
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2

@@ -1,0 +1,116 @@
+import pytest
+
+from cluster.spec import SpecError, Spec, load_spec, split_spec
+from cluster.types import Stage
+
+
+def problems(data) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        Spec.model_validate(data)
+    return info.value.problems
+
+
+def test_empty_spec_is_the_local_default():
+    spec = Spec.model_validate({})
+    assert spec.model == "SmolLM2-135M-Instruct"
+    assert spec.mode == "disaggregated"
+    assert set(spec.stages()) == {Stage.PREFILL, Stage.DECODE}
+
+
+def test_errors_carry_their_path():
+    assert problems({"decode": {"replicas": 0}}) == ["decode.replicas: must be >= 1, got 0"]
+
+
+def test_every_problem_is_reported_at_once():
+    found = problems({
+        "mode": "both",
+        "decode": {"replicas": 0, "replica": 2},
+        "router": {"policy": "random"},
+        "prefill": {"block_size": 24, "num_kv_blocks": 8, "kv_cache_memory_gb": 1},
+        "transfer": {"backend": "tcp", "options": {"lease_s": 0}},
+    })
+    assert "decode.replicas: must be >= 1, got 0" in found
+    assert "decode.replica: unknown field" in found
+    assert any(p.startswith("mode: must be one of") for p in found)
+    assert any(p.startswith("router.policy: must be one of") for p in found)
+    assert any(p.startswith("transfer.backend: must be one of") for p in found)
+    assert "transfer.options.lease_s: must be > 0, got 0" in found
+    assert "prefill.block_size: must be a power of two, got 24" in found
+    assert len(found) == 7  # the both-cache-sizes check waits until block_size is valid
+
+
+def test_cross_field_checks_name_the_field():
+    assert problems({"prefill": {"num_kv_blocks": 8, "kv_cache_memory_gb": 1}}) == [
+        "prefill: give num_kv_blocks or kv_cache_memory_gb, not both"]
+    assert problems({"prefill": {"block_size": 32}}) == [
+        "decode.block_size: must equal prefill.block_size (32) so KV blocks transfer whole, got 16"]
+    assert problems({"mode": "colocated", "decode": {}}) == [
+        "decode: section is not used in mode 'colocated'; remove it"]
+    assert problems({"frontend": {"grpc_port": 9000, "http_port": 9000}}) == [
+        "frontend: grpc_port and http_port must differ (both 9000)"]
+    assert problems({"frontend": {"tls": {"cert_file": "c.pem"}}}) == [
+        "frontend.tls.key_file: required field is missing"]
+
+
+def test_load_spec_reports_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode:\n  replicas: 0\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(path) in str(info.value) and "decode.replicas: must be >= 1" in str(info.value)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_spec(path)
+    path.write_text("decode: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(path)
+
+
+def test_split_gives_each_component_its_config():
+    spec = Spec.model_validate({
+        "dtype": "bfloat16",
+        "prefill": {"replicas": 2, "resources": {"num_gpus": 1, "custom": {"prefill_node": 1}},
+                    "num_kv_blocks": 100},
+        "decode": {"replicas": 3, "max_num_seqs": 8, "kv_cache_memory_gb": 2.5},
+        "router": {"policy": "prefix_aware"},
+        "auth": {"api_keys": ["k1", "k2"]},
+    })
+    cfg = split_spec(spec)
+    pre, dec = cfg.stages[Stage.PREFILL], cfg.stages[Stage.DECODE]
+    assert (pre.num_replicas, dec.num_replicas) == (2, 3)
+    assert pre.ray_options == {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"prefill_node": 1.0}}
+    assert pre.engine.device == "cuda" and dec.engine.device == "cpu"
+    assert pre.engine.num_kv_blocks == 100 and dec.engine.kv_cache_memory_gb == 2.5
+    assert pre.engine.dtype == "bfloat16"
+    assert cfg.router.policy == "prefix_aware"
+    assert cfg.router.capacity(Stage.DECODE) == 8 and cfg.router.capacity(Stage.PREFILL) == 64
+    assert cfg.frontend.api_keys == ("k1", "k2")
+    assert cfg.transfer.cluster_secret is None
+    pre.engine.validate()
+    dec.engine.validate()
+
+
+def test_colocated_split_has_one_stage():
+    cfg = split_spec(Spec.model_validate({"mode": "colocated", "colocated": {"replicas": 2}}))
+    assert list(cfg.stages) == [Stage.COLOCATED]
+    assert cfg.stages[Stage.COLOCATED].num_replicas == 2
+
+
+def test_secrets_resolve_from_env_and_file(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nalpha\n\nbeta\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    auth = Spec.model_validate({"auth": {"api_keys_file": str(keys), "cluster_secret_file": str(secret)}}).auth
+    assert auth.resolve_api_keys() == ["alpha", "beta"]
+    assert auth.resolve_cluster_secret() == "s3cret"
+
+    monkeypatch.setenv("KVR_TEST_KEYS", "a, b,")
+    monkeypatch.delenv("KVR_TEST_SECRET", raising=False)
+    auth = Spec.model_validate({"auth": {"api_keys_env": "KVR_TEST_KEYS", "cluster_secret_env": "KVR_TEST_SECRET"}}).auth
+    assert auth.resolve_api_keys() == ["a", "b"]
+    with pytest.raises(SpecError, match="auth.cluster_secret_env: environment variable KVR_TEST_SECRET is not set"):
+        auth.resolve_cluster_secret()
+    missing = Spec.model_validate({"auth": {"api_keys_file": str(tmp_path / "nope")}}).auth
+    with pytest.raises(SpecError, match=r"auth.api_keys_file: cannot read .*nope"):
+        missing.resolve_api_keys()
