@@ -114,7 +114,7 @@ class LlamaModel:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -151,7 +151,7 @@ class LlamaModel:
             residual = x
         return F.rms_norm(x, (x.shape[-1],), self.norm, eps)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return F.linear(hidden, self.lm_head).float()
 

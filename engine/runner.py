@@ -71,7 +71,7 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, sample_rows)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> dict[str, tuple[int, dict | None]]:
         """Run one forward pass; returns {request_id: (token, logprobs)} for sampling sequences."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
