@@ -15,7 +15,7 @@ from engine.config import ConfigError
 from engine.gguf_convert import convert_gguf_cached, unpermute_qk
 from engine.tokenizer import Tokenizer
 from engine.weights import CheckpointError, load_checkpoint, resolve_model
-from tests.engine.test_weights import TINY, tiny_hf_config
+from tests.engine.factories import tiny_hf_config
 
 Q = gguf.GGMLQuantizationType
 HF_TO_GGUF_LAYER = {
