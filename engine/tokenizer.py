@@ -42,6 +42,7 @@ class Tokenizer:
         self._source = source
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.eos_token_ids: set[int] = set(_ids(hf_tokenizer.eos_token_id)) | set(eos_token_ids)
+        # Tokens the tokenizer knows, added ones included; a model's embedding may be larger.
         self.vocab_size: int = len(hf_tokenizer)
 
     @classmethod
@@ -83,23 +84,29 @@ class Tokenizer:
 # Token ids of the prompt decoded before the first output token, so that the
 # first output token is decoded in context (a leading space survives).
 _PROMPT_CONTEXT = 5
-# After this many tokens still ending in an unfinished character, the bytes
-# are invalid rather than pending: emit them (as U+FFFD) to bound the window.
+# Past this many pending ids, look back for an earlier id boundary that ends
+# a whole character and move the window there.
 _MAX_PENDING = 16
+# Past this many pending ids, the bytes are taken as invalid rather than
+# unfinished: emit them (as U+FFFD) and move on, to bound the window.
+_MAX_WINDOW = 64
 
 
 class IncrementalDetokenizer:
     """Output token ids in, text deltas out.
 
     Decodes only a window of recent ids (O(window) per step): a few ids of
-    context whose text is already out, then the pending ids; decoding both
-    and cutting off the context's text leaves the new text, with any leading
-    space the context implies. The window moves on once that new text ends in
-    a whole character, so a character split across tokens is never emitted
-    in part. Text that could
-    be the start of a stop string is held back; when a stop string appears,
-    `stopped` is set, the output ends just before it and later steps return "".
-    Call `flush()` when the stream ends to get whatever is still held back.
+    context whose text is already out, then the pending ids. Decoding both and
+    cutting off the context's text leaves the pending text (with any leading
+    space the context implies); all of it but an unfinished character at its
+    end (U+FFFD while bytes are missing) is emitted. The window moves on to an
+    id boundary that ends a whole character: the end when it does, else, once
+    many ids are pending, the latest earlier one.
+
+    Text that could be the start of a stop string is held back; when a stop
+    string appears, `stopped` is set, the output ends just before it and later
+    steps return "". Call `flush()` when the stream ends to get whatever is
+    still held back.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
@@ -110,12 +117,14 @@ class IncrementalDetokenizer:
         # Window of ids: the first `_read` are context, already decoded; the rest are pending.
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._read = len(self._ids)
-        self._held = ""  # decoded text that may begin a stop string
+        self._emitted = 0  # chars of the pending ids' text already emitted
+        self._held = ""  # emitted-ready text that may begin a stop string
         self._chunks: list[str] = []  # emitted text
         self.stopped = False
 
     @property
     def text(self) -> str:
+        """All text emitted so far (the deltas joined)."""
         return "".join(self._chunks)
 
     def step(self, new_token_ids: Iterable[int]) -> str:
@@ -139,16 +148,28 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, final: bool) -> str:
         decode = self._tokenizer.decode
-        context_text = decode(self._ids[:self._read], self._skip_special)
-        new_text = decode(self._ids, self._skip_special)
+        context_len = len(decode(self._ids[:self._read], self._skip_special))
+        pending = decode(self._ids, self._skip_special)[context_len:]
         num_pending = len(self._ids) - self._read
-        complete = len(new_text) > len(context_text) and not new_text.endswith("\ufffd")
-        if not (complete or final or num_pending >= _MAX_PENDING):
-            return ""
-        # The ids just decoded become the next window's context.
+        done = final or num_pending >= _MAX_WINDOW
+        stable = pending if done else pending.rstrip("\ufffd")
+        delta = stable[self._emitted:]
+        self._emitted = max(self._emitted, len(stable))
+        if done or (pending and not pending.endswith("\ufffd")):
+            self._advance(len(self._ids), len(pending))
+        elif num_pending >= _MAX_PENDING:
+            for end in range(len(self._ids) - 1, self._read, -1):
+                head = decode(self._ids[:end], self._skip_special)[context_len:]
+                if head and not head.endswith("\ufffd") and len(head) <= self._emitted:
+                    self._advance(end, len(head))
+                    break
+        return delta
+
+    def _advance(self, end: int, num_chars: int) -> None:
+        """Make ids[read:end], whose text (num_chars long) is out, the new context."""
         del self._ids[:self._read]
-        self._read = len(self._ids)
-        return new_text[len(context_text):]
+        self._read = end - self._read
+        self._emitted -= num_chars
 
     def _release(self, delta: str) -> str:
         if not delta and not self._held:

@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
@@ -180,7 +180,23 @@ def test_decodes_only_a_window(tok):
     assert len(ids) > 300 and max(lengths) <= 16
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 5])
+def test_characters_never_align_with_chunks(tok, chunk):
+    """Runs of 4-byte characters, one token per byte, fed so that chunk ends
+    rarely fall between characters: every whole character still comes out,
+    and no part of one."""
+    text = "\U000c0000" * 12 + "ok" + "\u0800\U0001f600" * 6
+    ids = tok.encode(text, add_special_tokens=False)
+
+    deltas, _ = stream(tok, ids, chunk=chunk)
+
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == text
+    assert max(len(d) for d in deltas) <= 4  # characters come out as they complete
+
+
 @settings(max_examples=60, deadline=None)
+@example(text="\x80\u0800\U000c0000\U000c0000\U000c0000", prompt="", chunk=4)
 @given(text=st.text(max_size=40), prompt=st.text(max_size=10), chunk=st.integers(1, 4))
 def test_deltas_add_up_to_the_full_decode(tok, text, prompt, chunk):
     ids = tok.encode(text, add_special_tokens=False)
@@ -188,3 +204,20 @@ def test_deltas_add_up_to_the_full_decode(tok, text, prompt, chunk):
     deltas, det = stream(tok, ids, prompt_ids=tok.encode(prompt), chunk=chunk)
 
     assert "".join(deltas) == det.text == tok.decode(ids)
+    if "\ufffd" not in tok.decode(ids):  # the vocabulary lacks a few bytes, e.g. 0xF1
+        assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab \n😀", max_size=30),
+       stop=st.lists(st.text(alphabet="ab \n😀", min_size=1, max_size=3), max_size=3),
+       chunk=st.integers(1, 3))
+def test_output_ends_before_the_first_stop_string(tok, text, stop, chunk):
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids)
+    hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+
+    deltas, det = stream(tok, ids, chunk=chunk, stop=stop)
+
+    assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
+    assert det.stopped == bool(hits)
