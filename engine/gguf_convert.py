@@ -91,9 +91,7 @@ def convert_gguf_cached(path: Path, cache_root: Path) -> Path:
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the cache from other users
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
         convert_gguf(path, tmp)
         try:
             os.rename(tmp, final)
