@@ -75,6 +75,13 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        # transformers >= 5 writes rope settings as `rope_parameters`, older ones as
+        # `rope_theta` and `rope_scaling`.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         mc = cls(
             architecture=arch,
             vocab_size=int(req("vocab_size")),
@@ -85,8 +92,8 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
