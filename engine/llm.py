@@ -41,7 +41,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | Path | None = None,
     ):
-        from engine.tokenizer import Tokenizer
+        from engine.tokenizer import Tokenizer, TokenizerError
         from engine.weights import load_checkpoint, resolve_model
 
         config = EngineConfig(
@@ -52,13 +52,13 @@ class LLM:
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         model_config, weights = load_checkpoint(self.model_dir, torch.float32)
-        self.tokenizer = Tokenizer.from_folder(self.model_dir)
-        if not model_config.eos_token_ids and self.tokenizer.eos_token_ids:
-            import dataclasses
-            model_config = dataclasses.replace(model_config, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
+        try:
+            self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        except TokenizerError:
+            self.tokenizer = None  # a bare checkpoint: prompts must be token ids, outputs have no text
         self.core = EngineCore(model_config, weights, config)
-        eos = set(model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.core.eos_token_ids = frozenset(eos)
+        if self.tokenizer is not None:
+            self.core.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
         del weights
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -72,6 +72,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: {self.model_dir} has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise TypeError("prompt: must be a string or a list of token ids")
@@ -132,8 +134,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError(f"messages: {self.model_dir} has no tokenizer or chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.tokenizer.apply_chat_template(m) for m in convs], params)
+        # the template already holds any BOS, so encode without special tokens
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(m), add_special_tokens=False)
+                   for m in convs]
+        return self.generate(prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per new token for a single request (alongside any

@@ -34,6 +34,9 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         from engine.tokenizer import IncrementalDetokenizer
 
+        if self.tokenizer is None:
+            return
+
         self._detok[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids,
             skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
@@ -48,6 +51,8 @@ class OutputProcessor:
         delta = detok.step(new_token_ids) if detok is not None and new_token_ids else ""
         stopped_by_string = bool(detok is not None and detok.stopped and not seq.is_finished)
         finished = seq.is_finished or stopped_by_string
+        if finished and detok is not None and not detok.stopped:
+            delta += detok.flush()  # text held back as a possible stop-string start
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,

@@ -121,6 +121,7 @@ class IncrementalDetokenizer:
         self._held = ""  # emitted-ready text that may begin a stop string
         self._chunks: list[str] = []  # emitted text
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the output
 
     @property
     def text(self) -> str:
@@ -178,6 +179,7 @@ class IncrementalDetokenizer:
         cut = self._first_stop(buf)
         if cut is not None:
             self.stopped = True
+            self.stop_string = min((s for s in self._stop if buf.find(s) == cut), key=len)
             out, self._held = buf[:cut], ""
         else:
             keep = self._stop_prefix_len(buf)

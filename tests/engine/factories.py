@@ -28,3 +28,34 @@ def save_tiny_model(folder: Path, kind: str = "llama", save_kw: dict | None = No
     model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **overrides))
     model.save_pretrained(folder, **(save_kw or {}))
     return model.state_dict()
+
+
+def tiny_llm(folder: Path, kind: str = "llama", llm_kw: dict | None = None, **overrides):
+    """An engine.LLM over a freshly saved tiny random model, in float32."""
+    from engine.llm import LLM
+
+    save_tiny_model(folder, kind, **overrides)
+    return LLM(str(folder), **dict({"dtype": "float32", "num_kv_blocks": 256}, **(llm_kw or {})))
+
+
+def random_prompts(n: int, vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def hf_greedy_mismatch(hf_model, prompt: list[int], output: list[int], margin: float = 1e-4):
+    """Check `output` is the transformers model's greedy continuation of `prompt`.
+
+    Teacher-forces prompt+output through transformers (no cache) and returns
+    the first position where our token is not its argmax, ignoring positions
+    where its top two logits are closer than `margin` (a genuine tie that
+    float rounding may break either way). None when the outputs agree.
+    """
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0].float()
+    for j, tok in enumerate(output):
+        row = logits[len(prompt) + j - 1]
+        top2 = row.topk(2).values
+        if int(row.argmax()) != tok and float(top2[0] - top2[1]) > margin:
+            return j
+    return None
