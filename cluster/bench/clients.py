@@ -204,3 +204,7 @@ class OpenAISender:
             rec.is_ok = True
         else:
             _fail(rec, "INCOMPLETE", "the stream ended without [DONE] or a finish reason")
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
