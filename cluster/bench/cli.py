@@ -13,10 +13,8 @@ import math
 import os
 import sys
 
-from cluster.bench.clients import BenchError
-from cluster.bench.report import compare_results, format_tables, load_results, result_to_json, write_results
-from cluster.bench.runner import BenchConfig, run_bench
-from cluster.bench.workload import WorkloadError
+# The bench modules (aiohttp, grpc, matplotlib) are imported when the command runs, not when
+# `kvrelay` builds its parser for some other command.
 
 
 def _rates(text: str) -> list[float]:
@@ -82,7 +80,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", dest="compare_out", help="also write the table to this file")
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
+def config_from_args(args: argparse.Namespace):
+    from cluster.bench.runner import BenchConfig
+
     rates = args.rates or [args.request_rate if args.request_rate is not None else math.inf]
     return BenchConfig(
         backend=args.backend, target=args.target, base_url=args.base_url, api_key=args.api_key,
@@ -97,6 +97,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def main(args: argparse.Namespace) -> int:
     if args.bench_command == "compare":
         return _compare(args)
+    from cluster.bench.clients import BenchError
+    from cluster.bench.plots import write_plots
+    from cluster.bench.report import format_tables, result_to_json, write_results
+    from cluster.bench.runner import run_bench
+    from cluster.bench.workload import WorkloadError
+
     try:
         result = asyncio.run(run_bench(config_from_args(args), progress_stream=None if args.quiet else sys.stderr))
     except (BenchError, WorkloadError, OSError) as e:
@@ -108,14 +114,14 @@ def main(args: argparse.Namespace) -> int:
         path = write_results(data, args.out)
         written = [path]
         if not args.no_plots:
-            from cluster.bench.plots import write_plots  # lazily: matplotlib takes a second to import
-
             written += write_plots(data, args.out)
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from cluster.bench.report import compare_results, load_results
+
     try:
         table = compare_results(load_results(args.a), load_results(args.b))
     except (OSError, ValueError, KeyError) as e:

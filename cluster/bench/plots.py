@@ -48,8 +48,8 @@ def _cdf(data: dict, path: Path, what: str, values_ms) -> None:
 def _against_rate(data: dict, path: Path, title: str, ylabel: str, series: dict[str, list[tuple[float, float]]]
                   ) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, points in series.items():
-        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+    for (name, points), style in zip(series.items(), ("-o", "--s")):  # dashed: visible when the lines overlap
+        ax.plot([x for x, _ in points], [y for _, y in points], style, label=name)
     ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel(ylabel)
     ax.set_title(_title(data, title))

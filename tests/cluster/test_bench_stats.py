@@ -4,7 +4,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.bench.clients import add_tokens
@@ -29,11 +29,13 @@ slo_ms = st.one_of(st.none(), st.floats(0, 6000))
 
 
 # ---- percentiles and distributions ------------------------------------------------------------------------
+@settings(deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
 def test_percentile_matches_numpy_linear(values, p):
     assert percentile(values, p) == pytest.approx(float(np.percentile(values, p)), rel=1e-9, abs=1e-6)
 
 
+@settings(deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100), st.floats(0, 100))
 def test_percentile_is_monotone_and_bounded(values, p, q):
     lo, hi = sorted((p, q))
@@ -77,6 +79,7 @@ def test_meets_slo():
 
 
 # ---- attainment, goodput, max rate ------------------------------------------------------------------------
+@settings(deadline=None)
 @given(records_st, slo_ms, slo_ms, st.floats(0, 6000), st.floats(0, 6000))
 def test_attainment_is_monotone_in_the_slo(records, ttft, tpot, more_ttft, more_tpot):
     tight = Slo(ttft, tpot)
@@ -88,6 +91,7 @@ def test_attainment_is_monotone_in_the_slo(records, ttft, tpot, more_ttft, more_
         assert 0 <= a <= b <= 1
 
 
+@settings(deadline=None)
 @given(records_st, slo_ms, slo_ms)
 def test_goodput_never_exceeds_throughput(records, ttft, tpot):
     s = summarize(records, Slo(ttft, tpot))
@@ -117,6 +121,7 @@ def test_max_rate_at_attainment():
     assert max_rate_at_attainment([(1, 0.8), (2, 0.85)], target=0.8) == 2
 
 
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.floats(0.01, 1e3), st.one_of(st.none(), st.floats(0, 1))), max_size=10))
 def test_max_rate_is_the_highest_passing_rate(points):
     best = max_rate_at_attainment(points)
@@ -125,6 +130,7 @@ def test_max_rate_is_the_highest_passing_rate(points):
 
 
 # ---- workload ---------------------------------------------------------------------------------------------
+@settings(deadline=None)
 @given(st.integers(1, 2000), st.floats(0, 0.99), st.integers(0, 2**32))
 def test_lengths_stay_in_their_range(mean, ratio, seed):
     lens = sample_lengths(random.Random(seed), mean, ratio, 20)
