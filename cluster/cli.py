@@ -6,6 +6,8 @@
     kvrelay chat                            an interactive chat keeping history
     kvrelay status                          replicas, load and KV usage
     kvrelay models                          the served model
+    kvrelay bench --rates 1,2,4 --out runs/x  a serving benchmark (`cluster.bench`)
+    kvrelay bench compare a.json b.json     two benchmark results side by side
 
 Client commands talk to ``--target`` (default 127.0.0.1:50051) and send
 ``--api-key`` (default: the KVRELAY_API_KEY environment variable).
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="the served model")
     _client_args(p)
+
+    from cluster.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return ap
 
 
@@ -79,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        from cluster.bench.cli import main as bench_main
+
+        return bench_main(args)
     from cluster.client import KVRelayError
 
     try:
