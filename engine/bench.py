@@ -144,8 +144,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    load = f", load average {os.getloadavg()[0]:.1f} when it finished" if hasattr(os, "getloadavg") else ""
     return (f"`nproc` {os.cpu_count()}, {cpu}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}")
+            f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}{load}")
 
 
 def section(body: str, args, model_name: str, command: str) -> str:
@@ -167,8 +168,9 @@ token: transformers / kvrelay).
   time to first token is the prefill of {args.prompt_len} tokens, bound by matmul compute; batch
   throughput shares each weight read across {args.batch} sequences, so it is bound by compute
   (matmuls, and attention over the paged cache that grows with each token).
-- The machine is shared with other jobs, so these figures are noisy (expect tens of percent
-  between runs); compare ratios from one run rather than figures across runs.
+- The machine is shared with other jobs, so these figures are noisy: with more runnable
+  threads than cores, torch's spinning intra-op threads slow small steps by up to tens of
+  times. Compare ratios from one quiet run, not figures across runs.
 """
 
 

@@ -64,9 +64,9 @@ def hf_greedy_mismatch(hf_model, prompt: list[int], output: list[int], margin: f
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | None = None, **overrides):
-    """A tiny random llama sized to, and saved with, the tokenizer of `tokenizer_dir`
-    (the default model's), so prompts and outputs are text."""
+def save_tiny_model_with_tokenizer(folder: Path, tokenizer_dir: Path, **overrides):
+    """A tiny random llama sized to, and saved with, the tokenizer of
+    `tokenizer_dir` (the default model's), so prompts and outputs are text."""
     import json
     import shutil
 
@@ -74,4 +74,12 @@ def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | No
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
-    return tiny_llm(folder, "llama", llm_kw, **dict({"vocab_size": vocab, "max_position_embeddings": 512}, **overrides))
+    return save_tiny_model(folder, "llama", **dict({"vocab_size": vocab, "max_position_embeddings": 512}, **overrides))
+
+
+def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | None = None, **overrides):
+    """An engine.LLM (float32) over `save_tiny_model_with_tokenizer`."""
+    from engine.llm import LLM
+
+    save_tiny_model_with_tokenizer(folder, tokenizer_dir, **overrides)
+    return LLM(str(folder), **dict({"dtype": "float32", "num_kv_blocks": 256}, **(llm_kw or {})))

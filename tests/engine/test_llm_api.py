@@ -8,7 +8,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from tests.engine.factories import tiny_llm_with_tokenizer
+from tests.engine.factories import save_tiny_model_with_tokenizer, tiny_llm_with_tokenizer
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "1, 2, 3,"]
 
@@ -128,7 +128,7 @@ def test_eos_stops_unless_ignored(tmp_path, default_model_dir, reference):
     ends generation with "stop"; ignore_eos runs on to max_tokens."""
     ref = reference[PROMPTS[2]].token_ids
     eos = ref[len(ref) // 2]
-    llm = tiny_llm_with_tokenizer(tmp_path, default_model_dir)
+    save_tiny_model_with_tokenizer(tmp_path, default_model_dir)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["eos_token_id"] = eos
     (tmp_path / "config.json").write_text(json.dumps(cfg))
