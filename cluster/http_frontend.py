@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP frontend (aiohttp), beside the gRPC one.
+
+Endpoints:
+
+    POST /v1/completions        prompt: a string, a list of one string, or token ids
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                200 when every stage has a live replica, else 503 (no key needed)
+    GET  /metrics               Prometheus text (no key needed)
+
+A completion: authenticate (``Authorization: Bearer <key>`` when keys are
+configured) → parse the body (`cluster.openai_protocol`) → tokenize and
+validate (shared with gRPC) → run it (`cluster.serving.run_request`, which
+aborts on any early exit and records the metrics) → one JSON object, or
+server-sent events ``data: {...}`` ending ``data: [DONE]``. A streaming
+response starts only once the first delta is in, so a refusal still gets
+its status code. Errors use OpenAI's shape ``{"error": {message, type,
+param, code}}``:
+
+    400 bad input (param names the field)   401 missing or wrong key
+    404 unknown model or path               429 over capacity (OverloadedError)
+    503 no replica can serve (NoReplicaError)
+    500 the request failed inside the cluster; after a stream has started,
+        an ``data: {"error": ...}`` event instead
+
+If the client disconnects, the handler is cancelled (or its next write
+fails) and the request is aborted in the backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from cluster import openai_protocol as oai
+from cluster.backend import Backend
+from cluster.metrics import CONTENT_TYPE, ServingMetrics
+from cluster.serving import ApiKeys, run_request
+from cluster.spec import FrontendConfig
+from cluster.types import (FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError, NoReplicaError,
+                           OverloadedError)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20  # a long prompt sent as token ids
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> web.Response:
+    return web.json_response(oai.error_body(message, type_, param, code), status=status, headers=headers)
+
+
+def _invalid(e: InvalidRequestError) -> web.Response:
+    if e.field == "model":
+        return _error(404, str(e), "invalid_request_error", "model", "model_not_found")
+    return _error(400, str(e), "invalid_request_error", e.field)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, body too large) in OpenAI's shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
+
+
+class HttpFrontend:
+    def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self._api_keys = ApiKeys(config.api_keys)
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._running: set[asyncio.Task] = set()  # handlers of generation requests
+        self.port: int | None = None
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.scrape)
+        return app
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (useful with http_port 0)."""
+        c = self.config
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+        # Handlers still running when `stop`'s grace is over are cancelled at once (shutdown_timeout 0).
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.0)
+        await runner.setup()
+        ssl_context = None
+        if c.tls_cert_file:
+            import ssl
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+        site = web.TCPSite(runner, c.host, c.http_port or 0, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner, self._site = runner, site
+        self.port = runner.addresses[0][1]
+        log.info("kvrelay OpenAI HTTP frontend on %s:%d", c.host, self.port)
+        return self.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting, give running requests ``grace`` seconds, then cancel them (which aborts them)."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        await self._site.stop()
+        if self._running and grace:
+            await asyncio.wait(set(self._running), timeout=grace)
+        await runner.cleanup()
+
+    # ---- generation ------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.CompletionBody, "cmpl-")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.ChatBody, "chatcmpl-")
+
+    async def _generate(self, request: web.Request, body_type: type, id_prefix: str) -> web.StreamResponse:
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            return await self._run(request, body_type, id_prefix)
+        finally:
+            self._running.discard(task)
+
+    async def _run(self, request: web.Request, body_type: type, id_prefix: str) -> web.StreamResponse:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            self.metrics.count_rejected("http", "unauthenticated")
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        try:
+            body = oai.parse_body(body_type, await request.read())
+            req = oai.to_generate_request(body, self.backend, id_prefix + uuid.uuid4().hex)
+        except InvalidRequestError as e:
+            self.metrics.count_rejected("http", "invalid_request")
+            return _invalid(e)
+        is_chat = body_type is oai.ChatBody
+        running = run_request(self.backend, req, self.metrics.start_request("http", req))
+        async with contextlib.aclosing(running) as deltas:
+            try:
+                first = await anext(deltas)
+            except OverloadedError as e:
+                return _error(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+            except NoReplicaError as e:
+                return _error(503, str(e), "service_unavailable_error", code="no_replica",
+                              headers={"Retry-After": "1"})
+            except InvalidRequestError as e:
+                return _invalid(e)
+            except Exception as e:
+                log.exception("request %s failed", req.request_id)
+                return self._failed(f"{type(e).__name__}: {e}")
+            if first.finish_reason is FinishReason.ERROR:
+                return self._failed(first.error)
+            if body.stream:
+                return await self._stream(request, body, req, first, deltas, is_chat)
+            return await self._collect(body, req, first, deltas, is_chat)
+
+    @staticmethod
+    def _failed(error: str | None) -> web.Response:
+        return _error(500, f"request failed: {error or 'unknown error'}", "server_error", code="request_failed")
+
+    async def _collect(self, body, req: GenerateRequest, first: GenerateDelta,
+                       deltas: AsyncIterator[GenerateDelta], is_chat: bool) -> web.Response:
+        text_of = oai.token_text(self.backend.tokenizer)
+        parts, lps, num_tokens, delta = [], [], 0, first
+        while True:
+            if delta.finish_reason is FinishReason.ERROR:
+                return self._failed(delta.error)
+            parts.append(delta.text)
+            lps.extend(delta.logprobs or ())
+            num_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except Exception as e:
+                log.exception("request %s failed", req.request_id)
+                return self._failed(f"{type(e).__name__}: {e}")
+        logprobs = None
+        if req.sampling.logprobs is not None:
+            logprobs = oai.chat_logprobs(lps, text_of) if is_chat else oai.completion_logprobs(lps, text_of, 0)
+        obj = oai.completion_object(req.request_id, self.backend.model_name, int(time.time()), "".join(parts),
+                                    oai.finish_reason(delta.finish_reason), logprobs, is_chunk=False,
+                                    is_chat=is_chat)
+        obj["usage"] = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
+        return web.json_response(obj)
+
+    async def _stream(self, request: web.Request, body, req: GenerateRequest, first: GenerateDelta,
+                      deltas: AsyncIterator[GenerateDelta], is_chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        text_of = oai.token_text(self.backend.tokenizer)
+        created, model = int(time.time()), self.backend.model_name
+        include_usage = body.include_usage
+        num_tokens, text_offset, delta, is_first = 0, 0, first, True
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await response.write(f"data: {data}\n\n".encode())
+
+        try:
+            while True:
+                if delta.finish_reason is FinishReason.ERROR:
+                    await send(oai.error_body(f"request failed: {delta.error or 'unknown error'}", "server_error",
+                                              code="request_failed"))
+                    break
+                num_tokens += len(delta.token_ids)
+                if delta.text or delta.finish_reason is not None or delta.logprobs or is_first:
+                    logprobs = None
+                    if req.sampling.logprobs is not None:
+                        lps = delta.logprobs or ()
+                        if is_chat:
+                            logprobs = oai.chat_logprobs(lps, text_of)
+                        else:
+                            logprobs = oai.completion_logprobs(lps, text_of, text_offset)
+                    chunk = oai.completion_object(req.request_id, model, created, delta.text,
+                                                  oai.finish_reason(delta.finish_reason), logprobs, is_chunk=True,
+                                                  is_chat=is_chat, is_first=is_first)
+                    if include_usage:
+                        chunk["usage"] = None
+                    await send(chunk)
+                    is_first = False
+                    text_offset += len(delta.text)
+                if delta.finish_reason is not None:
+                    if include_usage:
+                        await send({"id": req.request_id, "object": "chat.completion.chunk" if is_chat else
+                                    "text_completion", "created": created, "model": model, "choices": [],
+                                    "usage": oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)})
+                    break
+                try:
+                    delta = await anext(deltas)
+                except Exception as e:
+                    log.exception("request %s failed", req.request_id)
+                    await send(oai.error_body(f"request failed: {type(e).__name__}: {e}", "server_error",
+                                              code="request_failed"))
+                    break
+            await send("[DONE]")
+            await response.write_eof()
+        except ConnectionError:  # the client went away; leaving aclosing aborts the request
+            log.info("client of request %s disconnected", req.request_id)
+        return response
+
+    # ---- the rest --------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        b = self.backend
+        return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        b = self.backend
+        if request.match_info["model"] != b.model_name:
+            return _error(404, f"model: unknown model {request.match_info['model']!r}; this server serves "
+                               f"{b.model_name!r}", "invalid_request_error", "model", "model_not_found")
+        return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            status = await self.backend.status()
+        except Exception as e:
+            log.exception("status failed")
+            return web.json_response({"status": "unavailable", "reason": f"status failed: {e}"}, status=503)
+        stages = {r.stage for r in status.replicas}
+        dead = sorted(s.value for s in stages if not any(r.is_alive for r in status.replicas if r.stage is s))
+        if not stages or dead:
+            reason = f"no live replica of stage {', '.join(dead)}" if dead else "no replicas"
+            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        await self.metrics.refresh(self.backend)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
