@@ -6,6 +6,7 @@ port shows both.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from cluster.backend import Backend
@@ -33,9 +34,8 @@ class Frontends:
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop both; running requests get ``grace`` seconds, then are aborted."""
-        if self.http is not None:
-            await self.http.stop(grace)
-        await self.grpc.stop(grace)
+        stopping = [self.grpc.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        await asyncio.gather(*stopping)
 
     async def wait_for_termination(self) -> None:
         await self.grpc.wait_for_termination()

@@ -99,8 +99,9 @@ class HttpFrontend:
         """Bind and start serving; returns the bound port (useful with http_port 0)."""
         c = self.config
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-        # Handlers still running when `stop`'s grace is over are cancelled at once (shutdown_timeout 0).
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.0)
+        # Handlers still running when `stop`'s grace is over are cancelled almost at once (aiohttp reads a
+        # shutdown_timeout of 0 as "no limit").
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.05)
         await runner.setup()
         ssl_context = None
         if c.tls_cert_file:

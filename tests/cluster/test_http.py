@@ -4,6 +4,7 @@ Both frontends run over the EchoBackend (tests/cluster/conftest.py) from
 `serve_frontends`, on 127.0.0.1 with free ports, in a background event loop.
 """
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -393,3 +394,32 @@ def test_grpc_records_into_the_same_metrics(served):
         _count(before, "kvrelay_requests_total", frontend="grpc", outcome="invalid_request") == 1
     assert _count(after, "kvrelay_time_to_first_token_seconds_count") - \
         _count(before, "kvrelay_time_to_first_token_seconds_count") == 1
+
+
+def test_client_timeout_aborts_a_non_streaming_request(served):
+    served.backend.delay_s = 0.05
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="echo", prompt="hello", max_tokens=50, extra_body={"ignore_eos": True})
+    (req,) = served.backend.requests
+    wait_for(lambda: served.backend.aborted == [req.request_id])
+
+
+def test_stop_aborts_requests_still_running():
+    server = ServedFrontends(EchoBackend())
+    try:
+        server.backend.delay_s = 0.05
+        stream = server.client().completions.create(model="echo", prompt="hello", max_tokens=60, stream=True,
+                                                    extra_body={"ignore_eos": True})
+        next(iter(stream))
+        started = time.monotonic()
+        server.call(server.frontends.stop(0.1))
+        assert time.monotonic() - started < 2
+        rest = []
+        with contextlib.suppress(openai.APIError):  # the connection is cut mid-stream
+            rest.extend(stream)
+        assert all(c.choices[0].finish_reason is None for c in rest) and len(rest) < 59
+        (req,) = server.backend.requests
+        wait_for(lambda: server.backend.aborted == [req.request_id] and not server.backend.running)
+    finally:
+        server.close()
