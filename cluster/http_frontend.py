@@ -49,6 +49,7 @@ from cluster.types import (FinishReason, GenerateDelta, GenerateRequest, Invalid
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20  # a long prompt sent as token ids
+STATUS_TIMEOUT_S = 5.0  # /health and /metrics wait this long for backend.status()
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -60,6 +61,15 @@ def _invalid(e: InvalidRequestError) -> web.Response:
     if e.field == "model":
         return _error(404, str(e), "invalid_request_error", "model", "model_not_found")
     return _error(400, str(e), "invalid_request_error", e.field)
+
+
+def _failure_body(error: str | None) -> dict:
+    return oai.error_body(f"request failed: {error or 'unknown error'}", "server_error", code="request_failed")
+
+
+def _failed(error: str | None) -> web.Response:
+    """A request that failed inside the cluster, before its response started."""
+    return web.json_response(_failure_body(error), status=500)
 
 
 @web.middleware
@@ -131,30 +141,33 @@ class HttpFrontend:
 
     # ---- generation ------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.CompletionBody, "cmpl-")
+        return await self._generate(request, oai.CompletionResponses)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.ChatBody, "chatcmpl-")
+        return await self._generate(request, oai.ChatResponses)
 
-    async def _generate(self, request: web.Request, body_type: type, id_prefix: str) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+                        ) -> web.StreamResponse:
         task = asyncio.current_task()
         self._running.add(task)
         try:
-            return await self._run(request, body_type, id_prefix)
+            return await self._run(request, responses)
         finally:
             self._running.discard(task)
 
-    async def _run(self, request: web.Request, body_type: type, id_prefix: str) -> web.StreamResponse:
+    async def _run(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+                   ) -> web.StreamResponse:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             self.metrics.count_rejected("http", "unauthenticated")
             return _error(401, problem, "authentication_error", code="invalid_api_key")
         try:
-            body = oai.parse_body(body_type, await request.read())
-            req = oai.to_generate_request(body, self.backend, id_prefix + uuid.uuid4().hex)
+            body = oai.parse_body(responses.body_type, await request.read())
+            req = oai.to_generate_request(body, self.backend, responses.id_prefix + uuid.uuid4().hex)
         except InvalidRequestError as e:
             self.metrics.count_rejected("http", "invalid_request")
             return _invalid(e)
-        is_chat = body_type is oai.ChatBody
+        out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
+                        with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage)
         running = run_request(self.backend, req, self.metrics.start_request("http", req))
         async with contextlib.aclosing(running) as deltas:
             try:
@@ -168,24 +181,20 @@ class HttpFrontend:
                 return _invalid(e)
             except Exception as e:
                 log.exception("request %s failed", req.request_id)
-                return self._failed(f"{type(e).__name__}: {e}")
+                return _failed(f"{type(e).__name__}: {e}")
             if first.finish_reason is FinishReason.ERROR:
-                return self._failed(first.error)
+                return _failed(first.error)
             if body.stream:
-                return await self._stream(request, body, req, first, deltas, is_chat)
-            return await self._collect(body, req, first, deltas, is_chat)
+                return await self._stream(request, req, out, first, deltas)
+            return await self._collect(req, out, first, deltas)
 
     @staticmethod
-    def _failed(error: str | None) -> web.Response:
-        return _error(500, f"request failed: {error or 'unknown error'}", "server_error", code="request_failed")
-
-    async def _collect(self, body, req: GenerateRequest, first: GenerateDelta,
-                       deltas: AsyncIterator[GenerateDelta], is_chat: bool) -> web.Response:
-        text_of = oai.token_text(self.backend.tokenizer)
+    async def _collect(req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+                       first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
         parts, lps, num_tokens, delta = [], [], 0, first
         while True:
             if delta.finish_reason is FinishReason.ERROR:
-                return self._failed(delta.error)
+                return _failed(delta.error)
             parts.append(delta.text)
             lps.extend(delta.logprobs or ())
             num_tokens += len(delta.token_ids)
@@ -195,64 +204,40 @@ class HttpFrontend:
                 delta = await anext(deltas)
             except Exception as e:
                 log.exception("request %s failed", req.request_id)
-                return self._failed(f"{type(e).__name__}: {e}")
-        logprobs = None
-        if req.sampling.logprobs is not None:
-            logprobs = oai.chat_logprobs(lps, text_of) if is_chat else oai.completion_logprobs(lps, text_of, 0)
-        obj = oai.completion_object(req.request_id, self.backend.model_name, int(time.time()), "".join(parts),
-                                    oai.finish_reason(delta.finish_reason), logprobs, is_chunk=False,
-                                    is_chat=is_chat)
-        obj["usage"] = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
-        return web.json_response(obj)
+                return _failed(f"{type(e).__name__}: {e}")
+        usage = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
+        return web.json_response(out.response("".join(parts), delta.finish_reason, lps, usage))
 
-    async def _stream(self, request: web.Request, body, req: GenerateRequest, first: GenerateDelta,
-                      deltas: AsyncIterator[GenerateDelta], is_chat: bool) -> web.StreamResponse:
+    @staticmethod
+    async def _stream(request: web.Request, req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+                      first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        text_of = oai.token_text(self.backend.tokenizer)
-        created, model = int(time.time()), self.backend.model_name
-        include_usage = body.include_usage
-        num_tokens, text_offset, delta, is_first = 0, 0, first, True
 
-        async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await response.write(f"data: {data}\n\n".encode())
+        async def send(data: dict | str) -> None:
+            text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            await response.write(f"data: {text}\n\n".encode())
 
+        num_tokens, delta, is_first = 0, first, True
         try:
             while True:
                 if delta.finish_reason is FinishReason.ERROR:
-                    await send(oai.error_body(f"request failed: {delta.error or 'unknown error'}", "server_error",
-                                              code="request_failed"))
+                    await send(_failure_body(delta.error))
                     break
                 num_tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason is not None or delta.logprobs or is_first:
-                    logprobs = None
-                    if req.sampling.logprobs is not None:
-                        lps = delta.logprobs or ()
-                        if is_chat:
-                            logprobs = oai.chat_logprobs(lps, text_of)
-                        else:
-                            logprobs = oai.completion_logprobs(lps, text_of, text_offset)
-                    chunk = oai.completion_object(req.request_id, model, created, delta.text,
-                                                  oai.finish_reason(delta.finish_reason), logprobs, is_chunk=True,
-                                                  is_chat=is_chat, is_first=is_first)
-                    if include_usage:
-                        chunk["usage"] = None
-                    await send(chunk)
+                if delta.text or delta.logprobs or delta.finish_reason is not None or is_first:
+                    await send(out.chunk(delta.text, delta.finish_reason, delta.logprobs or ()))
                     is_first = False
-                    text_offset += len(delta.text)
                 if delta.finish_reason is not None:
-                    if include_usage:
-                        await send({"id": req.request_id, "object": "chat.completion.chunk" if is_chat else
-                                    "text_completion", "created": created, "model": model, "choices": [],
-                                    "usage": oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)})
+                    if out.include_usage:
+                        await send(out.usage_chunk(oai.usage(req.num_prompt_tokens, num_tokens,
+                                                             delta.num_cached_tokens)))
                     break
                 try:
                     delta = await anext(deltas)
                 except Exception as e:
                     log.exception("request %s failed", req.request_id)
-                    await send(oai.error_body(f"request failed: {type(e).__name__}: {e}", "server_error",
-                                              code="request_failed"))
+                    await send(_failure_body(f"{type(e).__name__}: {e}"))
                     break
             await send("[DONE]")
             await response.write_eof()
@@ -278,10 +263,11 @@ class HttpFrontend:
 
     async def health(self, request: web.Request) -> web.Response:
         try:
-            status = await self.backend.status()
+            status = await asyncio.wait_for(self.backend.status(), STATUS_TIMEOUT_S)
         except Exception as e:
             log.exception("status failed")
-            return web.json_response({"status": "unavailable", "reason": f"status failed: {e}"}, status=503)
+            reason = f"status failed: {type(e).__name__}: {e}"
+            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
         stages = {r.stage for r in status.replicas}
         dead = sorted(s.value for s in stages if not any(r.is_alive for r in status.replicas if r.stage is s))
         if not stages or dead:
@@ -290,5 +276,5 @@ class HttpFrontend:
         return web.json_response({"status": "ok"})
 
     async def scrape(self, request: web.Request) -> web.Response:
-        await self.metrics.refresh(self.backend)
+        await self.metrics.refresh(self.backend, STATUS_TIMEOUT_S)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

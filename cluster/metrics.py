@@ -34,6 +34,7 @@ no_replica).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -137,10 +138,10 @@ class ServingMetrics:
             self.transfer_failures.inc(m.num_kv_transfer_failures)
 
     # ---- scraping --------------------------------------------------------------
-    async def refresh(self, backend) -> None:
+    async def refresh(self, backend, timeout_s: float = 5.0) -> None:
         """Read ``backend.status()`` for the replica gauges; on failure they are left out of this scrape."""
         try:
-            self._status.status = await backend.status()
+            self._status.status = await asyncio.wait_for(backend.status(), timeout_s)
         except Exception:
             log.exception("backend status failed; replica gauges left out")
             self._status.status = None

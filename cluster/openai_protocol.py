@@ -175,10 +175,6 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def finish_reason(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value  # stop, length; abort when the operator aborted
-
-
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
@@ -193,47 +189,109 @@ def token_text(tokenizer: Tokenizer) -> Callable[[int], str]:
     return lambda token_id: decode([token_id])
 
 
-def completion_logprobs(lps: Sequence[TokenLogprob], text_of: Callable[[int], str], text_offset: int) -> dict:
-    """The completions shape: parallel lists, ``text_offset`` counted from the completion's start."""
-    tokens = [text_of(lp.token_id) for lp in lps]
-    offsets = []
-    for t in tokens:
-        offsets.append(text_offset)
-        text_offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{text_of(t): p for t, p in lp.top} for lp in lps], "text_offset": offsets}
+class _Responses:
+    """The response objects of one request: the whole response, or its stream's chunks in order.
+
+    Subclasses give the endpoint's names and its choice and logprobs shapes.
+    Logprobs are included iff the request asked for them (``with_logprobs``).
+    """
+
+    body_type: type[_GenerateBody]
+    id_prefix: str
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, request_id: str, model: str, text_of: Callable[[int], str], with_logprobs: bool,
+                 include_usage: bool = False):
+        self.request_id, self.model = request_id, model
+        self.created = int(time.time())
+        self._text_of = text_of
+        self._with_logprobs = with_logprobs
+        self.include_usage = include_usage  # streams: "usage": null on every chunk, then a usage chunk
+        self._num_chunks = 0
+        self._text_offset = 0  # of the next chunk's text in the completion
+
+    def response(self, text: str, reason: FinishReason, lps: Sequence[TokenLogprob], usage_: dict) -> dict:
+        choice = self._choice(text, _finish_reason(reason), self._logprobs(lps, 0) if self._with_logprobs else None)
+        return self._object(self.object_name, [choice], usage=usage_)
+
+    def chunk(self, text: str, reason: FinishReason | None, lps: Sequence[TokenLogprob]) -> dict:
+        logprobs = self._logprobs(lps, self._text_offset) if self._with_logprobs else None
+        choice = self._chunk_choice(text, _finish_reason(reason), logprobs, is_first=self._num_chunks == 0)
+        self._num_chunks += 1
+        self._text_offset += len(text)
+        return self._object(self.chunk_object_name, [choice], **({"usage": None} if self.include_usage else {}))
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return self._object(self.chunk_object_name, [], usage=usage_)
+
+    def _object(self, object_name: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _choice(self, text: str, reason: str | None, logprobs: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, reason: str | None, logprobs: dict | None, is_first: bool) -> dict:
+        raise NotImplementedError
+
+    def _logprobs(self, lps: Sequence[TokenLogprob], text_offset: int) -> dict:
+        raise NotImplementedError
 
 
-def chat_logprobs(lps: Sequence[TokenLogprob], text_of: Callable[[int], str]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+class CompletionResponses(_Responses):
+    body_type = CompletionBody
+    id_prefix = "cmpl-"
+    object_name = chunk_object_name = "text_completion"
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
-                        for lp in lps], "refusal": None}
+    def _choice(self, text, reason, logprobs):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _chunk_choice(self, text, reason, logprobs, is_first):
+        return self._choice(text, reason, logprobs)
+
+    def _logprobs(self, lps, text_offset):
+        """Parallel lists; ``text_offset`` counts from the completion's start."""
+        tokens = [self._text_of(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._text_of(t): p for t, p in lp.top} for lp in lps], "text_offset": offsets}
 
 
-def completion_object(request_id: str, model: str, created: int, text: str, reason: str | None,
-                      logprobs: dict | None, *, is_chunk: bool, is_chat: bool, is_first: bool = False) -> dict:
-    """One response object (or stream chunk) with its single choice."""
-    if not is_chat:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [choice]}
-    if is_chunk:
+class ChatResponses(_Responses):
+    body_type = ChatBody
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _choice(self, text, reason, logprobs):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": reason}
+
+    def _chunk_choice(self, text, reason, logprobs, is_first):
         delta = {"role": "assistant", "content": text} if is_first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}
-    return {"id": request_id, "object": "chat.completion.chunk" if is_chunk else "chat.completion",
-            "created": created, "model": model, "choices": [choice]}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, lps, text_offset):
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._text_of(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                            for lp in lps], "refusal": None}
 
 
-def model_list(model: str, max_model_len: int, created: int | None = None) -> dict:
+def _finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value  # stop, length; abort when the operator aborted
+
+
+def model_list(model: str, max_model_len: int, created: int) -> dict:
     return {"object": "list", "data": [model_card(model, max_model_len, created)]}
 
 
-def model_card(model: str, max_model_len: int, created: int | None = None) -> dict:
-    return {"id": model, "object": "model", "created": int(created or time.time()), "owned_by": "kvrelay",
+def model_card(model: str, max_model_len: int, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvrelay",
             "max_model_len": max_model_len}
