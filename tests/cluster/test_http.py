@@ -6,6 +6,8 @@ Both frontends run over the EchoBackend (tests/cluster/conftest.py) from
 import asyncio
 import contextlib
 import json
+import ssl
+import subprocess
 import threading
 import time
 import urllib.error
@@ -421,5 +423,24 @@ def test_stop_aborts_requests_still_running():
         assert all(c.choices[0].finish_reason is None for c in rest) and len(rest) < 59
         (req,) = server.backend.requests
         wait_for(lambda: server.backend.aborted == [req.request_id] and not server.backend.running)
+    finally:
+        server.close()
+
+
+def test_tls(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {made.stderr.decode()[-200:]}")
+    server = ServedFrontends(EchoBackend(), tls_cert_file=str(cert), tls_key_file=str(key))
+    try:
+        base_url = f"https://127.0.0.1:{server.frontends.http_port}/v1"
+        with openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert))) as http_client:
+            client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=10,
+                                   http_client=http_client)
+            assert client.completions.create(model="echo", prompt="hello").choices[0].text == "<s> hello "
     finally:
         server.close()
