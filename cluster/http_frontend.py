@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -74,13 +75,16 @@ def _failed(error: str | None) -> web.Response:
 
 @web.middleware
 async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own errors (unknown path, wrong method, body too large) in OpenAI's shape."""
+    """aiohttp's own errors (unknown path, wrong method, body too large) and bugs in OpenAI's shape."""
     try:
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return _error(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
+    except Exception as e:  # a bug here: the client gets a 500 in OpenAI's shape, the log the trace
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(e).__name__}", "server_error")
 
 
 class HttpFrontend:
@@ -115,7 +119,6 @@ class HttpFrontend:
         await runner.setup()
         ssl_context = None
         if c.tls_cert_file:
-            import ssl
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
         site = web.TCPSite(runner, c.host, c.http_port or 0, ssl_context=ssl_context)
