@@ -3,8 +3,9 @@
 A Generate call: authenticate (``authorization: Bearer <key>`` when keys are
 configured) → check the model → tokenize (text, or chat messages through the
 chat template, or token ids as given) → validate (`cluster.validation`) →
-stream the backend's deltas. If the client goes away, or the call fails, the
-request is aborted in the backend. Errors map to status codes:
+stream the backend's deltas (`cluster.serving.run_request`, which also records
+the metrics). If the client goes away, or the call fails, the request is
+aborted in the backend. Errors map to status codes:
 
     InvalidRequestError → INVALID_ARGUMENT     OverloadedError → RESOURCE_EXHAUSTED
     missing/wrong key   → UNAUTHENTICATED      anything else   → UNAVAILABLE
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import uuid
 from pathlib import Path
@@ -26,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.backend import Backend
+from cluster.metrics import ServingMetrics
+from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.spec import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            NoReplicaError, OverloadedError)
@@ -41,26 +43,28 @@ _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FIN
 
 
 class KVRelayServicer(pb_grpc.KVRelayServicer):
-    def __init__(self, backend: Backend, api_keys: tuple[str, ...] = ()):
+    def __init__(self, backend: Backend, api_keys: tuple[str, ...] = (), metrics: ServingMetrics | None = None):
         self.backend = backend
-        self._api_keys = tuple(k.encode() for k in api_keys)
+        self._api_keys = ApiKeys(api_keys)
+        self.metrics = metrics if metrics is not None else ServingMetrics()
         self._active: set[str] = set()
 
     # ---- RPCs ----------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._authenticate(context)
+        await self._authenticate(context, count_refusal=True)
         try:
             req = self._to_request(request)
         except InvalidRequestError as e:
+            self.metrics.count_rejected("grpc", "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.request_id in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {req.request_id!r} is already running")
         self._active.add(req.request_id)
         failure: tuple[grpc.StatusCode, str] | None = None
-        finished = False
         try:
             num_generated = 0
-            async with contextlib.aclosing(self.backend.generate(req)) as deltas:
+            running = run_request(self.backend, req, self.metrics.start_request("grpc", req))
+            async with contextlib.aclosing(running) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason is FinishReason.ERROR:
                         failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {delta.error or 'unknown error'}")
@@ -68,10 +72,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                     num_generated += len(delta.token_ids)
                     await context.write(self._to_response(delta, req, num_generated))
                     if delta.finish_reason is not None:
-                        finished = True
                         break
-            if not finished and failure is None:
-                failure = (grpc.StatusCode.UNAVAILABLE, "the backend ended the stream without finishing the request")
         except OverloadedError as e:
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NoReplicaError as e:
@@ -86,8 +87,6 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {type(e).__name__}: {e}")
         finally:
             self._active.discard(req.request_id)
-            if not finished:
-                await asyncio.shield(self._abort(req.request_id))
         if failure is not None:
             await context.abort(*failure)
 
@@ -107,17 +106,14 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         return status_to_proto(status)
 
     # ---- helpers -------------------------------------------------------------
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, count_refusal: bool = False) -> None:
         if not self._api_keys:
             return
-        header = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
-        # Compare against every key so the time taken says nothing about which matched.
-        matches = [hmac.compare_digest(key.strip().encode(), k) for k in self._api_keys]
-        if not any(matches):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        problem = self._api_keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
+        if problem is not None:
+            if count_refusal:
+                self.metrics.count_rejected("grpc", "unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     def _to_request(self, request: pb.GenerateRequest) -> GenerateRequest:
         b = self.backend
@@ -126,17 +122,10 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             check_request_id(request.request_id)
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            if not request.text:
-                raise InvalidRequestError("prompt", "must not be empty")
-            token_ids = list(b.tokenizer.encode(request.text))
+            token_ids = encode_text(b.tokenizer, request.text)
         elif kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise InvalidRequestError("chat", "must hold at least one message")
-            if any(not m["role"] for m in messages):
-                raise InvalidRequestError("chat", "every message needs a role")
-            text = b.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            token_ids = list(b.tokenizer.encode(text, add_special_tokens=False))
+            token_ids = encode_chat(b.tokenizer, messages, field="chat")
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
         else:
@@ -165,12 +154,6 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                                          cached_prompt_tokens=delta.num_cached_tokens))
         return resp
 
-    async def _abort(self, request_id: str) -> None:
-        try:
-            await self.backend.abort(request_id)
-        except Exception:
-            log.exception("abort of request %s failed", request_id)
-
 
 def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
     return pb.GetStatusResponse(
@@ -186,9 +169,9 @@ def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
 class GrpcFrontend:
     """An asyncio gRPC server: the KVRelay service, health and reflection."""
 
-    def __init__(self, backend: Backend, config: FrontendConfig):
+    def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
         self.config = config
-        self.servicer = KVRelayServicer(backend, config.api_keys)
+        self.servicer = KVRelayServicer(backend, config.api_keys, metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

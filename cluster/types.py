@@ -67,6 +67,31 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
+@dataclass(frozen=True)
+class StageMetrics:
+    """Stage-side timings of one request, carried on its last `GenerateDelta`.
+
+    The backend fills what it measured and leaves the rest None (a colocated
+    replica has no transfer; a backend that measures nothing sends no
+    `StageMetrics` at all). `cluster.metrics` turns them into histograms and
+    counters.
+
+    - ``queue_time_s``: arrival at the router until a replica started the
+      prompt (admission queue plus the replica's waiting queue).
+    - ``prefill_time_s``: first prompt chunk scheduled until the first token.
+    - ``kv_transfer_time_s``: first KV block sent until the decode replica had
+      every layer.
+    - ``kv_transfer_bytes``: KV bytes moved for the request (retries included).
+    - ``num_kv_transfer_failures``: transfers that ended FAILED, retried or not.
+    """
+
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
+    kv_transfer_time_s: float | None = None
+    kv_transfer_bytes: int = 0
+    num_kv_transfer_failures: int = 0
+
+
 @dataclass
 class GenerateDelta:
     """What one request produced since its previous delta.
@@ -84,6 +109,7 @@ class GenerateDelta:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (final delta)
     error: str | None = None  # set with FinishReason.ERROR
+    stage_metrics: StageMetrics | None = None  # optional, on the last delta only
 
 
 @dataclass(frozen=True)

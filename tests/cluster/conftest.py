@@ -18,8 +18,8 @@ from tokenizers.processors import TemplateProcessing
 
 from cluster.frontend import GrpcFrontend
 from cluster.spec import FrontendConfig
-from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, OverloadedError,
-                           ReplicaStatus, Stage, TokenLogprob)
+from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError,
+                           OverloadedError, ReplicaStatus, Stage, StageMetrics, TokenLogprob)
 
 WORDS = "<unk> <s> </s> <|system|> <|user|> <|assistant|> hello world the cat sat on a mat".split()
 
@@ -59,6 +59,7 @@ class EchoBackend:
     def reset(self):
         self.delay_s = 0.0
         self.overloaded = False
+        self.no_replica = False  # every replica dead: generate raises NoReplicaError, status shows none alive
         self.fail_after: int | None = None  # raise after this many deltas
         self.requests: list[GenerateRequest] = []
         self.running: set[str] = set()
@@ -67,6 +68,8 @@ class EchoBackend:
     async def generate(self, req: GenerateRequest):
         if self.overloaded:
             raise OverloadedError("all replicas are busy (test)")
+        if self.no_replica:
+            raise NoReplicaError("no live colocated replica (test)")
         self.requests.append(req)
         self.running.add(req.request_id)
         try:
@@ -83,8 +86,9 @@ class EchoBackend:
                 logprobs = None
                 if req.sampling.logprobs is not None:
                     logprobs = [TokenLogprob(tok, -0.5, tuple((t, -1.0 - t) for t in range(req.sampling.logprobs)))]
+                stage_metrics = StageMetrics(0.001, 0.002, 0.003, 4096) if last else None
                 yield GenerateDelta(req.request_id, [tok], self.tokenizer.decode([tok]) + " ", finish, logprobs,
-                                    num_cached_tokens=2 if last else 0)
+                                    num_cached_tokens=2 if last else 0, stage_metrics=stage_metrics)
         finally:
             self.running.discard(req.request_id)
 
@@ -93,7 +97,8 @@ class EchoBackend:
 
     async def status(self) -> ClusterStatus:
         return ClusterStatus("echo", "colocated", (
-            ReplicaStatus("c0", Stage.COLOCATED, True, len(self.running), 0, len(self.running), 75, 100),
+            ReplicaStatus("c0", Stage.COLOCATED, not self.no_replica, len(self.running), 0, len(self.running), 75,
+                          100),
             ReplicaStatus("c1", Stage.COLOCATED, False),
         ), num_waiting=0)
 
