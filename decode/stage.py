@@ -93,14 +93,13 @@ class DecodeStage(StageLoop):
         if request_id in self._incoming:
             self.receiver.renew(request_id, lease_s)
 
-    def _abort(self, request_id: str) -> None:
+    def _release(self, request_id: str) -> None:
         if self._incoming.pop(request_id, None) is not None:
-            self.receiver.abort(request_id)  # frees the reserved blocks
-            self.receiver.poll()  # collect its FAILED result now
-        super()._abort(request_id)
+            self.receiver.abort(request_id)  # frees the reserved blocks; the next poll() reaps it
+        super()._release(request_id)
 
     def _iterate(self) -> bool:
-        if self.receiver is not None and self._incoming:
+        if self.receiver is not None:
             for result in self.receiver.poll():
                 seq = self._incoming.pop(result.request_id, None)
                 if seq is None:

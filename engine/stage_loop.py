@@ -141,6 +141,10 @@ class StageLoop:
     def abort(self, request_id: str) -> None:
         self.post(self._abort, request_id)
 
+    def fail(self, request_id: str, error: str) -> None:
+        """End a request with an error (e.g. its prefill failed elsewhere)."""
+        self.post(self._fail, request_id, error)
+
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put((lambda: None, (), None))
@@ -167,10 +171,18 @@ class StageLoop:
         self.outputs.discard(request_id)
         self.emit(Delta(request_id, [], "", "error", error))
 
-    def _abort(self, request_id: str) -> None:
+    def _release(self, request_id: str) -> None:
+        """Free everything the request holds here, without a word to its stream."""
         self.core.abort(request_id)
         self.outputs.discard(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._release(request_id)
         self.emit(Delta(request_id, [], "", "abort"))
+
+    def _fail(self, request_id: str, error: str) -> None:
+        self._release(request_id)
+        self.fail_request(request_id, error)
 
     def _run(self) -> None:
         try:
