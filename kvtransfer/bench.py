@@ -79,28 +79,29 @@ def _socket_main(port_conn, nbytes_max: int) -> None:
 
 
 # ---- measurements ----------------------------------------------------------
-def bench_socket(sizes: list[int], reps: int) -> dict[int, float]:
-    """One persistent loopback connection; each transfer is the bytes, then a one-byte ack."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_socket_main, args=(child, bytes_for(max(sizes))), daemon=True)
-    proc.start()
-    sock = socket.create_connection(("127.0.0.1", parent.recv()))
-    src = memoryview(torch.randint(0, 255, (bytes_for(max(sizes)),), dtype=torch.uint8).numpy())
-    out = {}
-    for tokens in sizes:
+class SocketPeer:
+    """The bound: one persistent loopback TCP connection; a transfer is the bytes, then a one-byte ack."""
+
+    def __init__(self, max_tokens: int):
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_socket_main, args=(child, bytes_for(max_tokens)), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", parent.recv()))
+        self.src = memoryview(torch.randint(0, 255, (bytes_for(max_tokens),), dtype=torch.uint8).numpy())
+
+    def transfer(self, tokens: int, compute=None) -> tuple[float, float]:
         n = bytes_for(tokens)
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            sock.sendall(n.to_bytes(8, "little"))
-            sock.sendall(src[:n])
-            sock.recv(1)
-            times.append(time.perf_counter() - t0)
-        out[tokens] = statistics.median(times[1:])
-    sock.close()
-    proc.join(5)
-    return out
+        t0 = time.perf_counter()
+        self.sock.sendall(n.to_bytes(8, "little"))
+        self.sock.sendall(self.src[:n])
+        self.sock.recv(1)
+        return time.perf_counter() - t0, 0.0
+
+    def close(self) -> bool:
+        self.sock.close()
+        self.proc.join(5)
+        return True
 
 
 class Peer:
@@ -146,7 +147,7 @@ class Peer:
                 if r.status != "DONE":
                     raise RuntimeError(f"transfer failed: {r.error}")
                 return r
-            time.sleep(0.0002)
+            time.sleep(0.001)
 
     def transfer(self, tokens: int, compute=None) -> tuple[float, float]:
         """(seconds from start to DONE, seconds from the end of compute to DONE)."""
@@ -193,6 +194,10 @@ def default_compute(num_tokens: int = 1024):
     return compute
 
 
+def sleep_compute(layer_ms: float):
+    return lambda layer: time.sleep(layer_ms / 1e3)
+
+
 def load_compute(spec: str | None):
     if not spec:
         return default_compute()
@@ -206,6 +211,7 @@ def main(argv=None) -> None:
     ap.add_argument("--transports", default="grpc,nccl,local")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compute", default=None, help="module:function doing one layer's work (layer) -> None")
+    ap.add_argument("--layer-ms", type=float, default=1.0, help="per-layer sleep of the GPU-like overlap run")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     transports = [t for t in args.transports.split(",") if t]
@@ -213,24 +219,34 @@ def main(argv=None) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     print(f"KV of SmolLM2-135M, bf16: {SPEC.bytes_per_block // SPEC.block_size} bytes per token; "
-          f"median of {args.reps} transfers each")
-    sock = bench_socket(sizes, args.reps)
-    rows = [("socket (bound)", tokens, sock[tokens]) for tokens in sizes]
-    overlap = {}
-    for transport in transports:
-        peer = Peer(transport, num_blocks)
-        peer.transfer(sizes[0])  # warm-up
-        for tokens in sizes:
-            rows.append((transport, tokens, statistics.median(peer.transfer(tokens)[0] for _ in range(args.reps))))
-        if 1024 in sizes:
-            compute = load_compute(args.compute)
-            t0 = time.perf_counter()
-            for layer in range(SPEC.num_layers):
-                compute(layer)
-            prefill_s = time.perf_counter() - t0
-            left = statistics.median(peer.transfer(1024, compute)[1] for _ in range(args.reps))
-            overlap[transport] = (prefill_s, left)
-        assert peer.close(), f"{transport}: block pools not fully free after the benchmark"
+          f"median of {args.reps} transfers each, transports interleaved")
+    peers = {"socket (bound)": SocketPeer(max(sizes))}
+    peers.update((t, Peer(t, num_blocks)) for t in transports)
+    for peer in peers.values():
+        peer.transfer(sizes[0])  # warm-up (connections, buffers)
+    seconds = {}
+    for tokens in sizes:
+        runs = {name: [] for name in peers}
+        for _ in range(args.reps):
+            for name, peer in peers.items():
+                runs[name].append(peer.transfer(tokens)[0])
+        seconds.update(((name, tokens), statistics.median(r)) for name, r in runs.items())
+    rows = [(name, tokens, seconds[name, tokens]) for name in peers for tokens in sizes]
+    sock = {tokens: seconds["socket (bound)", tokens] for tokens in sizes}
+
+    computes = {"matmul (CPU, this machine)": load_compute(args.compute),
+                f"sleep {args.layer_ms} ms per layer (GPU-like)": sleep_compute(args.layer_ms)}
+    overlap = []
+    for label, compute in computes.items():
+        t0 = time.perf_counter()
+        for layer in range(SPEC.num_layers):
+            compute(layer)
+        prefill_s = time.perf_counter() - t0
+        for name in transports:
+            left = statistics.median(peers[name].transfer(1024, compute)[1] for _ in range(args.reps))
+            overlap.append((name, label, prefill_s, left))
+    for name, peer in peers.items():
+        assert peer.close(), f"{name}: block pools not fully free after the benchmark"
 
     print()
     print("| transport | tokens | MB | latency ms | GB/s | % of socket |")
@@ -239,15 +255,14 @@ def main(argv=None) -> None:
         nbytes = bytes_for(tokens)
         print(f"| {name} | {tokens} | {nbytes / 1e6:.1f} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} "
               f"| {100 * sock[tokens] / seconds:.0f}% |")
-    if overlap:
-        print()
-        print("Layer-wise overlap, 1024-token prompt (prefill = 30 layers of --compute, no transfer):")
-        print()
-        print("| transport | prefill ms | transfer left after prefill ms | left / prefill |")
-        print("|---|---:|---:|---:|")
-        for name, (prefill_s, left) in overlap.items():
-            print(f"| {name} | {prefill_s * 1e3:.1f} | {left * 1e3:.1f} | {100 * left / prefill_s:.1f}% |")
-
+    print()
+    print("Layer-wise overlap, 1024-token prompt: each layer is pushed from the per-layer hook while the next")
+    print("computes; 'left' is the time from the end of the last layer's compute to DONE.")
+    print()
+    print("| transport | per-layer compute | prefill ms | left after prefill ms | left / prefill |")
+    print("|---|---|---:|---:|---:|")
+    for name, label, prefill_s, left in overlap:
+        print(f"| {name} | {label} | {prefill_s * 1e3:.1f} | {left * 1e3:.1f} | {100 * left / prefill_s:.1f}% |")
 
 if __name__ == "__main__":
     main()

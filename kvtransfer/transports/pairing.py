@@ -82,3 +82,28 @@ class PairGroup:
 
     def recv(self, tensor: torch.Tensor, tag: int, src: int):
         return self.group.recv([tensor], src, tag)
+
+
+class StagingBuffers:
+    """Reusable receive buffers by size: a fresh large CPU buffer costs page faults on every chunk."""
+
+    def __init__(self, device: torch.device, max_cached_bytes: int = 256 << 20):
+        self.device = device
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            stack = self._free.get(nbytes)
+            if stack:
+                self._cached_bytes -= nbytes
+                return stack.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._cached_bytes + buf.numel() <= self.max_cached_bytes:
+                self._free.setdefault(buf.numel(), []).append(buf)
+                self._cached_bytes += buf.numel()

@@ -6,7 +6,6 @@ import uuid
 from concurrent import futures
 
 import grpc
-import torch
 
 from kvtransfer.receiver import Ack, ReceiverCore
 from kvtransfer.transports import pairing
@@ -14,13 +13,54 @@ from kvtransfer.types import HandshakeError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 
+SERVICE_NAME = "kvrelay.kvtransfer.KVTransfer"
 SESSION_KEY = "kvt-session"
 MAX_MESSAGE_BYTES = 256 << 20
 
 
 def grpc_options() -> list[tuple[str, int]]:
+    """Large messages in large HTTP/2 frames, with a window that does not throttle a loopback link."""
     return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.max_frame_size", (16 << 20) - 1),
+            ("grpc.http2.lookahead_bytes", 64 << 20),
+            ("grpc.http2.bdp_probe", 0)]
+
+
+def _varint(buf: memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def split_chunk(raw: bytes) -> tuple[pb.Chunk, memoryview]:
+    """Parse a Chunk but leave its data (field 15) as a view of the received bytes: no copy."""
+    buf = memoryview(raw)
+    i = 0
+    while i < len(buf):
+        key_at = i
+        key, i = _varint(buf, i)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, i = _varint(buf, i)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        elif wire_type == 2:
+            n, i = _varint(buf, i)
+            if field == 15:
+                header = pb.Chunk.FromString(bytes(buf[:key_at]) + bytes(buf[i + n:]))
+                return header, buf[i:i + n]
+            i += n
+        else:
+            raise ValueError(f"bad wire type {wire_type} in Chunk")
+    return pb.Chunk.FromString(raw), memoryview(b"")
 
 
 def to_pb(ack: Ack) -> pb.Ack:
@@ -35,6 +75,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self.chunk_timeout_s = chunk_timeout_s
         self.store = pairing.host_store(host, chunk_timeout_s) if transport == "nccl" else None
         self.pairs: list[pairing.PairGroup] = []
+        self.staging = pairing.StagingBuffers(core.device)
 
     def _session(self, context):
         for key, value in context.invocation_metadata():
@@ -74,11 +115,12 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self._session(context)
         return to_pb(self.core.renew(request.transfer_id, request.lease_s))
 
-    def Push(self, request, context):
+    def Push(self, request: tuple[pb.Chunk, memoryview], context):
         self._session(context)
-        crc = request.crc32 if request.has_checksum else None
-        return to_pb(self.core.write_chunk(request.transfer_id, request.layer, request.first_block,
-                                           request.num_blocks, request.data, crc))
+        header, data = request
+        crc = header.crc32 if header.has_checksum else None
+        return to_pb(self.core.write_chunk(header.transfer_id, header.layer, header.first_block,
+                                           header.num_blocks, data, crc))
 
     def Announce(self, request, context):
         session = self._session(context)
@@ -87,18 +129,21 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         if pair is None or request.nbytes != expected or expected <= 0:
             self.core.fail(request.transfer_id, f"bad announce: {request.nbytes} bytes, expected {expected}")
             return pb.Ack(ok=False, error="bad announce")
-        staging = torch.empty(expected, dtype=torch.uint8, device=self.core.device)  # [nbytes]
+        staging = self.staging.take(expected)  # [nbytes]
         try:
             group = pair.wait_ready(self.chunk_timeout_s)
             work = group.recv([staging], pairing.SENDER_RANK, request.tag)
             work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
-        except Exception as e:  # the sender died or stalled: this pair is done
+        except Exception as e:  # the sender died or stalled: this pair is done (the buffer is not reused)
             pair.is_broken = True
-            self.core.fail(request.transfer_id, f"sender lost: {e}")
-            return pb.Ack(ok=False, error=f"sender lost: {e}")
+            self.core.fail(request.transfer_id, f"sender lost: {str(e).splitlines()[0][:200]}")
+            return pb.Ack(ok=False, error=f"sender lost: {str(e).splitlines()[0][:200]}")
         crc = request.crc32 if request.has_checksum else None
-        return to_pb(self.core.write_chunk(request.transfer_id, request.layer, request.first_block,
-                                           request.num_blocks, staging, crc))
+        try:
+            return to_pb(self.core.write_chunk(request.transfer_id, request.layer, request.first_block,
+                                               request.num_blocks, staging, crc))
+        finally:
+            self.staging.give(staging)
 
     def Commit(self, request, context):
         self._session(context)
@@ -109,12 +154,32 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         return to_pb(self.core.abort(request.transfer_id, request.reason))
 
 
+def method_handlers(servicer: KVTransferServicer):
+    """The service's handlers; Push keeps its bytes as a view (split_chunk) instead of a parsed copy."""
+    def unary(fn, deserializer):
+        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=deserializer,
+                                                   response_serializer=pb.Ack.SerializeToString)
+
+    handlers = {
+        "Hello": grpc.unary_unary_rpc_method_handler(servicer.Hello, pb.HelloRequest.FromString,
+                                                     pb.HelloReply.SerializeToString),
+        "Handshake": grpc.unary_unary_rpc_method_handler(servicer.Handshake, pb.HandshakeRequest.FromString,
+                                                         pb.HandshakeReply.SerializeToString),
+        "Renew": unary(servicer.Renew, pb.RenewRequest.FromString),
+        "Push": unary(servicer.Push, split_chunk),
+        "Announce": unary(servicer.Announce, pb.Chunk.FromString),
+        "Commit": unary(servicer.Commit, pb.CommitRequest.FromString),
+        "Abort": unary(servicer.Abort, pb.AbortRequest.FromString),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers: int,
           chunk_timeout_s: float = 30.0):
     servicer = KVTransferServicer(core, transport, host, chunk_timeout_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvt-rx"),
                          options=grpc_options())
-    pb_grpc.add_KVTransferServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((method_handlers(servicer),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
