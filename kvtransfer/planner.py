@@ -15,9 +15,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ChunkPlan:
+    """Slabs of layers ``[layer, layer + num_layers)`` x ticket blocks ``[first_block, +num_blocks)``."""
+
     layer: int
     first_block: int  # index into the ticket's block list
     num_blocks: int
+    num_layers: int = 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer, self.layer + self.num_layers)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -31,6 +38,24 @@ def plan_layer(layer: int, num_blocks: int, bytes_per_block: int, max_chunk_byte
     per_chunk = max(1, max_chunk_bytes // max(1, bytes_per_block))
     return [ChunkPlan(layer, start, min(per_chunk, num_blocks - start))
             for start in range(0, num_blocks, per_chunk)]
+
+
+def coalesce_layers(chunks: list[ChunkPlan], bytes_per_block: int, max_chunk_bytes: int) -> list[ChunkPlan]:
+    """Merge whole-layer chunks of consecutive layers (same block range) up to max_chunk_bytes.
+
+    Used when the sender has fallen behind the per-layer hook: several small
+    layers then travel as one message instead of one message each.
+    """
+    out: list[ChunkPlan] = []
+    for c in chunks:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.layer + prev.num_layers == c.layer and c.num_layers == 1
+                and (prev.first_block, prev.num_blocks) == (c.first_block, c.num_blocks)
+                and (prev.num_layers + 1) * c.num_blocks * bytes_per_block <= max_chunk_bytes):
+            out[-1] = ChunkPlan(prev.layer, prev.first_block, prev.num_blocks, prev.num_layers + 1)
+        else:
+            out.append(c)
+    return out
 
 
 def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:

@@ -104,35 +104,37 @@ class ReceiverCore:
 
     # ---- data path (any thread) -----------------------------------------
     def write_chunk(self, transfer_id: str, layer: int, first_block: int, num_blocks: int,
-                    data: torch.Tensor | bytes | memoryview, crc32: int | None = None) -> Ack:
-        """Copy ``num_blocks`` slabs into the ticket's blocks ``[first_block, +num_blocks)`` of ``layer``.
+                    data: torch.Tensor | bytes | memoryview, crc32: int | None = None, num_layers: int = 1) -> Ack:
+        """Copy slabs into the ticket's blocks ``[first_block, +num_blocks)`` of layers ``[layer, +num_layers)``.
 
-        data: ``num_blocks * slab_bytes`` bytes, slabs in ticket order.
+        data: ``num_layers * num_blocks * slab_bytes`` bytes, layer-major, slabs in ticket order.
         """
         inbound = self.ledger.get(transfer_id)
         if inbound is None:
             return self._drop()
-        nbytes = num_blocks * self.slab_bytes
-        if crc32 is not None:
-            if _crc32(data) != crc32:
-                with inbound.lock:
-                    inbound.fail(f"checksum mismatch on layer {layer}, blocks from {first_block}")
-                return Ack(False, error=f"checksum mismatch on layer {layer}")
+        num_layers = max(1, num_layers)
+        nbytes = num_layers * num_blocks * self.slab_bytes
+        if crc32 is not None and _crc32(data) != crc32:
+            with inbound.lock:
+                inbound.fail(f"checksum mismatch on layer {layer}, blocks from {first_block}")
+            return Ack(False, error=f"checksum mismatch on layer {layer}")
         with inbound.lock:
             if not inbound.accepts(time.time()):
                 return self._drop()
-            bad = inbound.coverage.check_range(layer, first_block, num_blocks) or (
-                None if _nbytes(data) == nbytes else f"chunk has {_nbytes(data)} bytes, expected {nbytes}")
+            bad = (inbound.coverage.check_range(layer, first_block, num_blocks)
+                   or inbound.coverage.check_range(layer + num_layers - 1, first_block, num_blocks)
+                   or (None if _nbytes(data) == nbytes else f"chunk has {_nbytes(data)} bytes, expected {nbytes}"))
             if bad:
                 inbound.fail(f"bad chunk: {bad}")
                 return Ack(False, error=bad)
-            src = _as_uint8(data).view(num_blocks, self.slab_bytes)  # [n, slab_bytes]
-            dst = self.kv_bytes[layer]
-            offset = 0
-            for block_id, length in contiguous_runs(inbound.ticket.block_ids[first_block:first_block + num_blocks]):
-                dst[block_id:block_id + length].copy_(src[offset:offset + length], non_blocking=False)
-                offset += length
-            inbound.record_chunk(layer, first_block, num_blocks, time.time(), self.progress_timeout_s)
+            src = _as_uint8(data).view(num_layers, num_blocks, self.slab_bytes)  # [layers, blocks, slab_bytes]
+            runs = contiguous_runs(inbound.ticket.block_ids[first_block:first_block + num_blocks])
+            for i in range(num_layers):
+                dst, offset = self.kv_bytes[layer + i], 0
+                for block_id, length in runs:
+                    dst[block_id:block_id + length].copy_(src[i, offset:offset + length])
+                    offset += length
+                inbound.record_chunk(layer + i, first_block, num_blocks, time.time(), self.progress_timeout_s)
         return Ack(True)
 
     def commit(self, transfer_id: str, first_token: int) -> Ack:

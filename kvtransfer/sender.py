@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtransfer import auth, transports
-from kvtransfer.planner import ChunkPlan, blocks_for_tokens, plan_layer
+from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
 from kvtransfer.receiver import Ack, byte_views
 from kvtransfer.types import HandshakeError, State, Ticket, TransferError, TransferResult
 
@@ -143,15 +143,36 @@ class KVSender:
 
     # ---- worker ----------------------------------------------------------
     def _run(self) -> None:
+        """Handle events in order; layer pushes that queued up meanwhile are sent together."""
         while True:
-            event = self._events.get()
-            if event is None:
-                return
-            try:
-                self._handle(*event)
-            except Exception as e:  # never let the worker die; fail the transfer instead
-                if isinstance(event[1], Outbound):
-                    self._fail(event[1], f"sender error: {e}")
+            batch = [self._events.get()]
+            while True:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[Outbound, list[int]] = {}
+            for event in batch:
+                if event is not None and event[0] == "layer":
+                    pending.setdefault(event[1], []).append(event[2])
+                    continue
+                self._send_pending(pending)
+                pending = {}
+                if event is None:
+                    return
+                self._guarded(event[1], self._handle, *event)
+            self._send_pending(pending)
+
+    def _guarded(self, ob, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # never let the worker die; fail the transfer instead
+            if isinstance(ob, Outbound):
+                self._fail(ob, f"sender error: {type(e).__name__}: {e}")
+
+    def _send_pending(self, pending: dict[Outbound, list[int]]) -> None:
+        for ob, layers in pending.items():
+            self._guarded(ob, self._send_layers, ob, layers)
 
     def _handle(self, kind: str, ob, arg=None) -> None:
         if kind == "renew":
@@ -168,28 +189,31 @@ class KVSender:
                 ob.link = self._link_for(ob.ticket.endpoint)
             except (HandshakeError, TransferError) as e:
                 self._fail(ob, str(e), notify=False)
-        elif kind == "layer":
-            if ob.link is None or arg in ob.layers_pushed:
-                return
-            ob.layers_pushed.add(arg)
-            ob.state = State.TRANSFERRING
-            for chunk in ob.plans[arg]:
-                if ob.state.is_finished:
-                    return
-                future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes[arg], ob.src_block_ids,
-                                            self.checksum)
-                future.add_done_callback(lambda f, ob=ob: self._on_chunk(ob, f))
         elif kind == "commit":
             ob.first_token = arg
             self._maybe_commit(ob)
 
-    def _on_chunk(self, ob: Outbound, future) -> None:
+    def _send_layers(self, ob: Outbound, layers: list[int]) -> None:
+        layers = [layer for layer in dict.fromkeys(layers) if layer not in ob.layers_pushed]
+        if ob.link is None or ob.state.is_finished or not layers:
+            return
+        ob.layers_pushed.update(layers)
+        ob.state = State.TRANSFERRING
+        chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
+                                 ob.src_bytes[0].shape[1], self.max_chunk_bytes)
+        for chunk in chunks:
+            if ob.state.is_finished:
+                return
+            future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes, ob.src_block_ids, self.checksum)
+            future.add_done_callback(lambda f, ob=ob, n=chunk.num_layers: self._on_chunk(ob, f, n))
+
+    def _on_chunk(self, ob: Outbound, future, num_layers: int) -> None:
         ack = _ack_of(future)
         if not ack.ok:
             self._fail(ob, f"chunk refused: {ack.error}")
             return
         with self._lock:
-            ob.num_chunks_acked += 1
+            ob.num_chunks_acked += num_layers  # a coalesced chunk stands for one planned chunk per layer
         self._maybe_commit(ob)
 
     def _maybe_commit(self, ob: Outbound) -> None:

@@ -23,11 +23,11 @@ class Link(ABC):
     is_broken: bool = False
 
     @abstractmethod
-    def send_chunk(self, transfer_id: str, chunk: ChunkPlan, src: torch.Tensor, src_block_ids: list[int],
+    def send_chunk(self, transfer_id: str, chunk: ChunkPlan, src: list[torch.Tensor], src_block_ids: list[int],
                    checksum: bool) -> Future:
-        """Send slabs ``src[src_block_ids[chunk.first_block:+chunk.num_blocks]]`` of one layer.
+        """Send the slabs of ``chunk`` (its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]``).
 
-        src: the layer as ``[num_blocks, slab_bytes]`` uint8.
+        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``receiver.byte_views``).
         """
 
     @abstractmethod
@@ -53,13 +53,17 @@ def chunk_ids(chunk: ChunkPlan, src_block_ids: list[int]) -> list[int]:
     return src_block_ids[chunk.first_block:chunk.first_block + chunk.num_blocks]
 
 
-def gather(src: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The slabs of ``block_ids`` as one contiguous ``[n, slab_bytes]`` tensor (a view when one run)."""
+def gather(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> torch.Tensor:
+    """The chunk's slabs as one contiguous ``[layers * n, slab_bytes]`` tensor (a view when it can be)."""
     runs = contiguous_runs(block_ids)
-    if len(runs) == 1:
-        b, n = runs[0]
-        return src[b:b + n]
-    return torch.cat([src[b:b + n] for b, n in runs])
+    parts = [src[layer][b:b + n] for layer in chunk.layers for b, n in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def pieces(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> list:
+    """The chunk's slabs as buffer views (CPU), layer-major, for a zero-copy join."""
+    runs = contiguous_runs(block_ids)
+    return [src[layer][b:b + n].numpy() for layer in chunk.layers for b, n in runs]
 
 
 def crc32_of(t: torch.Tensor) -> int:

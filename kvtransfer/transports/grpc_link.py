@@ -15,9 +15,9 @@ import grpc
 import torch
 
 from kvtransfer import auth
-from kvtransfer.planner import ChunkPlan, contiguous_runs
+from kvtransfer.planner import ChunkPlan
 from kvtransfer.receiver import Ack
-from kvtransfer.transports.base import Link, chunk_ids, done
+from kvtransfer.transports.base import Link, chunk_ids, done, gather, pieces
 from kvtransfer.transports.service import SESSION_KEY, grpc_options
 from kvtransfer.types import HandshakeError, TransferError
 from protos import kvtransfer_pb2 as pb
@@ -118,21 +118,22 @@ class GrpcLink(GrpcControl):
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)
-        if src.device.type != "cpu":
-            pieces = [src[torch.tensor(ids, device=src.device)].cpu().numpy()]
+        if src[0].device.type != "cpu":
+            parts = [gather(src, chunk, ids).cpu().numpy()]
         else:
-            pieces = [src[b:b + n].numpy() for b, n in contiguous_runs(ids)]  # views, no copy
-        nbytes = sum(p.nbytes for p in pieces)
+            parts = pieces(src, chunk, ids)  # views, no copy
+        nbytes = sum(p.nbytes for p in parts)
         header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
-                          num_blocks=chunk.num_blocks, nbytes=nbytes)
+                          num_blocks=chunk.num_blocks, num_layers=chunk.num_layers,
+                          nbytes=nbytes)
         if checksum:
             import zlib
 
             crc = 0
-            for p in pieces:
+            for p in parts:
                 crc = zlib.crc32(p, crc)
             header.has_checksum, header.crc32 = True, crc & 0xFFFFFFFF
-        message = b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *pieces])
+        message = b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *parts])
         if not self._window.acquire(timeout=self.chunk_timeout_s):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
         out = self._call(self._push, message)

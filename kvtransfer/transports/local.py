@@ -60,9 +60,10 @@ class LocalLink(Link):
         core = self._core()
         if core is None:
             return done(Ack(False, error="receiver closed"))
-        data = gather(src, chunk_ids(chunk, src_block_ids))
+        data = gather(src, chunk, chunk_ids(chunk, src_block_ids))
         crc = crc32_of(data) if checksum else None
-        return done(core.write_chunk(transfer_id, chunk.layer, chunk.first_block, chunk.num_blocks, data, crc))
+        return done(core.write_chunk(transfer_id, chunk.layer, chunk.first_block, chunk.num_blocks, data, crc,
+                                     chunk.num_layers))
 
     def commit(self, transfer_id, first_token):
         core = self._core()

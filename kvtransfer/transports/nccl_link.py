@@ -53,11 +53,12 @@ class NcclLink(GrpcControl):
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, pair=pair, window=window)
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
-        data = gather(src, chunk_ids(chunk, src_block_ids)).contiguous()  # [n, slab_bytes]
+        data = gather(src, chunk, chunk_ids(chunk, src_block_ids)).contiguous()  # [layers * n, slab_bytes]
         with self._tag_lock:
             tag = next(self._tags)
         header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
-                          num_blocks=chunk.num_blocks, tag=tag, nbytes=data.numel())
+                          num_blocks=chunk.num_blocks, num_layers=chunk.num_layers, tag=tag,
+                          nbytes=data.numel())
         if checksum:
             header.has_checksum, header.crc32 = True, crc32_of(data)
         if not self._window.acquire(timeout=self.chunk_timeout_s):

@@ -120,12 +120,12 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         header, data = request
         crc = header.crc32 if header.has_checksum else None
         return to_pb(self.core.write_chunk(header.transfer_id, header.layer, header.first_block,
-                                           header.num_blocks, data, crc))
+                                           header.num_blocks, data, crc, header.num_layers))
 
     def Announce(self, request, context):
         session = self._session(context)
         pair = session.pair
-        expected = request.num_blocks * self.core.slab_bytes
+        expected = max(1, request.num_layers) * request.num_blocks * self.core.slab_bytes
         if pair is None or request.nbytes != expected or expected <= 0:
             self.core.fail(request.transfer_id, f"bad announce: {request.nbytes} bytes, expected {expected}")
             return pb.Ack(ok=False, error="bad announce")
@@ -141,7 +141,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         crc = request.crc32 if request.has_checksum else None
         try:
             return to_pb(self.core.write_chunk(request.transfer_id, request.layer, request.first_block,
-                                               request.num_blocks, staging, crc))
+                                               request.num_blocks, staging, crc, request.num_layers))
         finally:
             self.staging.give(staging)
 

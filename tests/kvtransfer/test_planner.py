@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.planner import Coverage, contiguous_runs, plan_layer
+from kvtransfer.planner import Coverage, coalesce_layers, contiguous_runs, plan_layer
 
 
 @given(num_blocks=st.integers(1, 300), slab=st.integers(1, 10_000), cap=st.integers(1, 100_000))
@@ -33,3 +33,15 @@ def test_coverage_counts_duplicates_once_and_names_missing_layers():
     assert "out of range" in cov.check_range(1, 3, 2)
     assert "out of range" in cov.check_range(3, 0, 1)
     assert cov.check_range(2, 0, 4) is None
+
+
+@given(num_layers=st.integers(1, 40), num_blocks=st.integers(1, 20), cap=st.integers(1, 400))
+def test_coalesced_chunks_cover_the_same_slabs_within_the_cap(num_layers, num_blocks, cap):
+    slab = 10
+    planned = [c for layer in range(num_layers) for c in plan_layer(layer, num_blocks, slab, cap)]
+    merged = coalesce_layers(planned, slab, cap)
+    def slabs(chunks):
+        return sorted((l, b) for c in chunks for l in c.layers for b in range(c.first_block, c.first_block + c.num_blocks))
+    assert slabs(merged) == slabs(planned)
+    assert sum(c.num_layers for c in merged) == len(planned)
+    assert all(c.num_layers == 1 or c.num_layers * c.num_blocks * slab <= cap for c in merged)
