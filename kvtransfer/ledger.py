@@ -1,6 +1,6 @@
 """The receiver's per-transfer state machine. Plain Python: no torch, no gRPC.
 
-    reserve ──> RESERVED ──chunk──> TRANSFERRING ──commit (all layers)──> DONE ──release──> engine
+    reserve ──> RESERVED ──chunk──> TRANSFERRING ──commit + every layer──> DONE ──release──> engine
                     │                    │
                     └── abort / lease expired / peer lost / bad chunk ──> FAILED (blocks freed)
 
@@ -53,19 +53,23 @@ class Inbound:
         self.coverage.add(layer, first_block, num_blocks)
         self.state = State.TRANSFERRING
         self.deadline = max(self.deadline, now + progress_timeout_s)
+        if self.first_token is not None and self.coverage.is_complete:
+            self.state = State.DONE
 
-    def commit(self, first_token: int) -> str | None:
-        """DONE when every layer landed; else FAILED. Returns an error or None."""
-        if not self.coverage.is_complete:
-            missing = self.coverage.missing_layers()
-            self.fail(f"commit before every layer arrived (missing layers {missing[:8]}...)")
-            return self.error
-        self.state = State.DONE
+    def commit(self, first_token: int) -> None:
+        """DONE now if every layer landed, else as soon as the last chunk does.
+
+        The sender commits right after *sending* the last chunk, so the commit
+        may overtake it; a sender that never completes the layers runs into
+        the lease (extended by each chunk) and the transfer FAILS.
+        """
         self.first_token = first_token
-        return None
+        if self.coverage.is_complete:
+            self.state = State.DONE
 
     def result(self) -> TransferResult:
-        return TransferResult(self.ticket.request_id, self.state.name, self.first_token, self.error,
+        first_token = self.first_token if self.state == State.DONE else None
+        return TransferResult(self.ticket.request_id, self.state.name, first_token, self.error,
                               list(self.ticket.block_ids))
 
 

@@ -4,8 +4,9 @@
                              reuses) an authenticated link to the ticket's endpoint.
 2. ``push_layer(rid, l)``    from the engine's per-layer hook: queue layer l's
                              chunks (planned by planner.plan_layer).
-3. ``commit(rid, token)``    once every chunk was acknowledged, the first token
-                             is committed and the receiver marks the transfer DONE.
+3. ``commit(rid, token)``    sent as soon as every layer was sent; the receiver
+                             marks the transfer DONE when the last chunk has landed,
+                             the sender when the commit and every chunk were acknowledged.
 4. ``poll()``                returns finished sends: DONE, or FAILED on a refused
                              handshake, a lost receiver, an abort or the deadline.
 
@@ -40,6 +41,7 @@ class Outbound:
     num_chunks_acked: int = 0
     first_token: int | None = None
     is_commit_sent: bool = False
+    is_commit_acked: bool = False
     error: str | None = None
     is_reported: bool = False
     layers_pushed: set[int] = field(default_factory=set)
@@ -206,6 +208,7 @@ class KVSender:
                 return
             future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes, ob.src_block_ids, self.checksum)
             future.add_done_callback(lambda f, ob=ob, n=chunk.num_layers: self._on_chunk(ob, f, n))
+        self._maybe_commit(ob)
 
     def _on_chunk(self, ob: Outbound, future, num_layers: int) -> None:
         ack = _ack_of(future)
@@ -214,12 +217,13 @@ class KVSender:
             return
         with self._lock:
             ob.num_chunks_acked += num_layers  # a coalesced chunk stands for one planned chunk per layer
-        self._maybe_commit(ob)
+        self._maybe_done(ob)
 
     def _maybe_commit(self, ob: Outbound) -> None:
+        """Commit once every layer was *sent* (not acknowledged): the receiver finishes on the last chunk."""
         with self._lock:
             if (ob.state.is_finished or ob.is_commit_sent or ob.first_token is None
-                    or ob.num_chunks_acked < ob.num_chunks):
+                    or len(ob.layers_pushed) < len(ob.plans)):
                 return
             ob.is_commit_sent = True
         future = ob.link.commit(ob.ticket.transfer_id, ob.first_token)
@@ -231,7 +235,12 @@ class KVSender:
             self._fail(ob, f"commit refused: {ack.error}")
             return
         with self._lock:
-            if not ob.state.is_finished:
+            ob.is_commit_acked = True
+        self._maybe_done(ob)
+
+    def _maybe_done(self, ob: Outbound) -> None:
+        with self._lock:
+            if not ob.state.is_finished and ob.is_commit_acked and ob.num_chunks_acked >= ob.num_chunks:
                 ob.state = State.DONE
 
     def _fail(self, ob: Outbound, error: str, notify: bool = True) -> None:

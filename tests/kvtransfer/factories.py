@@ -58,11 +58,14 @@ def wait_results(*endpoints, count: int, timeout_s: float = 30.0) -> list:
 
 
 def spawn(target, *args):
+    """Start a peer process; returns once it is set up (it sent its first message, returned here)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()
-    return proc, parent
+    if not parent.poll(60):
+        raise TimeoutError("peer process did not start")
+    return proc, parent, parent.recv()
 
 
 # ---- peer process bodies (run in a spawned child) --------------------------
@@ -75,6 +78,7 @@ def sender_peer(conn, dtype: str, seed: int, options: dict) -> None:
     pool = BlockPool(NUM_BLOCKS)
     sender = KVSender(make_fingerprint(spec), options.pop("secret", SECRET), **options)
     rng = random.Random(seed)
+    conn.send(("ready",))
     while True:
         msg = conn.recv()
         if msg[0] == "exit":

@@ -54,8 +54,8 @@ def fill_until(predicate, timeout_s: float = 10.0) -> bool:
 def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transport):
     lease_s, progress_s = 2.0, 1.0
     rx, spec = receiver(transport, progress_timeout_s=progress_s)
+    proc, conn, _ = spawn(sender_peer, "bfloat16", 1, {})
     tickets = [rx.reserve(f"r{i}", 40, lease_s=lease_s) for i in range(3)]
-    proc, conn = spawn(sender_peer, "bfloat16", 1, {})
     conn.send(("send", tickets, [40] * 3, 1))
     assert conn.recv()[0] == "stalled"
     inbound = rx.core.ledger.for_request("r0")
@@ -70,8 +70,7 @@ def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transpor
 
 @pytest.mark.parametrize("transport", NETWORK)
 def test_receiver_killed_sender_fails_within_deadline(transport):
-    proc, conn = spawn(receiver_peer, transport, "bfloat16", {})
-    conn.recv()  # endpoint
+    proc, conn, _ = spawn(receiver_peer, transport, "bfloat16", {})
     spec = make_spec("bfloat16")
     kv, pool = make_source(spec, 2), BlockPool(NUM_BLOCKS)
     deadline_s = 4.0
@@ -213,16 +212,33 @@ def test_sender_renews_the_lease_remotely(receiver):
     assert rx.pool.is_fully_free()
 
 
-def test_commit_before_every_layer_fails(receiver):
+def test_commit_without_every_layer_fails_at_the_lease(receiver):
+    rx, spec = receiver("local", progress_timeout_s=0.3)
+    src = byte_views(make_source(spec, 6, num_blocks=4))
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    ticket = rx.reserve("r", 16, lease_s=0.3)
+    assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
+    assert link.commit(ticket.transfer_id, 1).result().ok  # accepted, waits for the other layers
+    assert rx.poll() == []
+    time.sleep(0.4)
+    [failed] = rx.poll()
+    assert (failed.status, failed.error, failed.first_token) == ("FAILED", "lease expired", None)
+    assert rx.pool.is_fully_free()
+
+
+def test_commit_may_overtake_the_last_chunk(receiver):
     rx, spec = receiver("local")
     src = byte_views(make_source(spec, 6, num_blocks=4))
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
     ticket = rx.reserve("r", 16)
-    assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
-    ack = link.commit(ticket.transfer_id, 1).result()
-    assert not ack.ok and "missing layers" in ack.error
-    [failed] = rx.poll()
-    assert failed.status == "FAILED"
+    last = ChunkPlan(spec.num_layers - 1, 0, 1)
+    assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1, spec.num_layers - 1), src, [1], False).result().ok
+    assert link.commit(ticket.transfer_id, 4).result().ok
+    assert rx.poll() == []
+    assert link.send_chunk(ticket.transfer_id, last, src, [1], False).result().ok
+    [done] = rx.poll()
+    assert (done.status, done.first_token) == ("DONE", 4)
+    rx.pool.free(rx.release("r"))
     assert rx.pool.is_fully_free()
 
 

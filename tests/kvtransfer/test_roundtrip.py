@@ -41,7 +41,7 @@ def test_two_processes_bit_exact(transport, dtype):
     shuffle_free_list(pool, rng)
     kv = allocate_kv_cache(spec, NUM_BLOCKS)
     rx = KVReceiver(kv, pool, make_fingerprint(spec), SECRET, transport=transport)
-    proc, conn = spawn(sender_peer, dtype, seed, {"max_chunk_bytes": 4096})  # several chunks per layer
+    proc, conn, _ = spawn(sender_peer, dtype, seed, {"max_chunk_bytes": 4096})  # several chunks per layer
     try:
         expected = make_source(spec, seed)
         for num_requests, tokens in rounds(rng):
