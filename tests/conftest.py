@@ -1,4 +1,4 @@
-"""Fixtures shared by the engine tests."""
+"""Fixtures shared by every test package."""
 from __future__ import annotations
 
 from pathlib import Path
