@@ -46,6 +46,7 @@ class Cluster:
         self.backend: RayBackend | None = None
         self.frontends: Frontends | None = None
         self._started_ray = False
+        self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
 
     # ---- actors ------------------------------------------------------------
     def start_actors(self, ready_timeout_s: float = 300.0) -> None:
@@ -67,7 +68,7 @@ class Cluster:
             cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):
                 rid = f"{stage.value}-{i}"
-                opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=f"kvrelay-{rid}",
+                opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=f"{self.name}-{rid}",
                             get_if_exists=False, lifetime=None)
                 engine_cfg = self._engine_config(sc)
                 threads = max(1, int(sc.ray_options.get("num_cpus") or 1))

@@ -138,6 +138,8 @@ class RayBackend:
                             finished = True
                             if watcher is not None:
                                 delta.stage_metrics = await self._stage_metrics(watcher, prefill_box)
+                                if "result" in prefill_box:  # the prefix cache that counts is prefill's
+                                    delta.num_cached_tokens = prefill_box["result"].num_cached_tokens
                         yield delta
                         if finished:
                             return
