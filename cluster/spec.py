@@ -80,6 +80,13 @@ class StageSpec(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
 
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp_supported(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"tensor parallelism is not supported yet (got {v}); use 1 and more replicas")
+        return v
+
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
