@@ -197,10 +197,11 @@ class KVSender:
 
     def _send_layers(self, ob: Outbound, layers: list[int]) -> None:
         layers = [layer for layer in dict.fromkeys(layers) if layer not in ob.layers_pushed]
-        if ob.link is None or ob.state.is_finished or not layers:
-            return
-        ob.layers_pushed.update(layers)
-        ob.state = State.TRANSFERRING
+        with self._lock:
+            if ob.link is None or ob.state.is_finished or not layers:
+                return
+            ob.layers_pushed.update(layers)
+            ob.state = State.TRANSFERRING
         chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
                                  ob.src_bytes[0].shape[1], self.max_chunk_bytes)
         for chunk in chunks:
