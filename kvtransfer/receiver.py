@@ -10,7 +10,10 @@
 4. ``release()`` hands a DONE transfer's blocks to the engine.
 
 The BlockPool is touched only from the owner's thread: reserve, renew,
-abort, poll, release and close must all be called from one thread.
+abort, poll, release and close must all be called from one thread (the
+decode loop, which polls every step). A lease is enforced twice: transport
+threads refuse data once its deadline has passed, and the next poll() frees
+the blocks and reports FAILED.
 """
 from __future__ import annotations
 
@@ -208,7 +211,7 @@ class KVReceiver:
     # ---- owner thread ----------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int, lease_s: float = 30.0) -> Ticket:
         """Allocate the blocks for ``num_tokens`` and return their ticket. Raises NoFreeBlocksError."""
-        if self.ledger_has(request_id):
+        if self.core.ledger.for_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} already has a transfer")
         num_blocks = blocks_for_tokens(num_tokens, self.block_size)
         block_ids = self.pool.allocate(num_blocks)
@@ -217,9 +220,6 @@ class KVReceiver:
         self.core.ledger.add(Inbound(ticket, num_tokens, Coverage(self.num_layers, num_blocks),
                                      ticket.lease_deadline))
         return ticket
-
-    def ledger_has(self, request_id: str) -> bool:
-        return self.core.ledger.for_request(request_id) is not None
 
     def renew(self, request_id: str, lease_s: float) -> None:
         inbound = self.core.ledger.for_request(request_id)
