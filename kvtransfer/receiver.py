@@ -23,7 +23,7 @@ import time
 import uuid
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,6 @@ class Session:
     session_id: str
     transport: str
     pair: object | None = None  # nccl: the pair's process group (pairing.PairGroup)
-    created: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -174,8 +173,9 @@ class ReceiverCore:
             inbound.deadline = max(inbound.deadline, time.time() + lease_s)
         return Ack(True)
 
-    def close_pairs(self) -> None:
-        """Replaced by the nccl service; nothing to close otherwise."""
+    def close_sessions(self) -> None:
+        with self._lock:
+            self.sessions.clear()
 
     def _drop(self) -> Ack:
         with self._lock:
@@ -278,7 +278,7 @@ class KVReceiver:
                     self.pool.free(inbound.ticket.block_ids)
                     inbound.is_freed = True
             self.core.ledger.remove(inbound)
-        self.core.close_pairs()
+        self.core.close_sessions()
 
     def _free_if_failed(self, inbound: Inbound) -> None:  # inbound.lock held
         if inbound.state.name == "FAILED" and not inbound.is_freed:

@@ -96,9 +96,13 @@ class KVSender:
     def push_layer(self, request_id: str, layer: int) -> None:
         self._events.put(("layer", self._get(request_id), layer))
 
-    def hook(self, request_id: str):
-        """The engine's per-layer hook ``Callable[[int], None]`` for one request."""
-        return lambda layer: self.push_layer(request_id, layer)
+    def hook(self, *request_ids: str):
+        """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
+        def push(layer: int) -> None:
+            for request_id in request_ids:
+                self.push_layer(request_id, layer)
+
+        return push
 
     def commit(self, request_id: str, first_token: int) -> None:
         self._events.put(("commit", self._get(request_id), int(first_token)))

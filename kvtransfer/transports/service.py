@@ -74,7 +74,6 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self.host = host
         self.chunk_timeout_s = chunk_timeout_s
         self.store = pairing.host_store(host, chunk_timeout_s) if transport == "nccl" else None
-        self.pairs: list[pairing.PairGroup] = []
         self.staging = pairing.StagingBuffers(core.device)
 
     def _session(self, context):
@@ -106,7 +105,6 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             pair_id = uuid.uuid4().hex
             pair.build_async(self.store, pair_id, pairing.RECEIVER_RANK, self.host, self.chunk_timeout_s)
             session.pair = pair
-            self.pairs.append(pair)
             reply.store_host, reply.store_port = self.host, self.store.port
             reply.pair_id, reply.backend = pair_id, backend
         return reply
@@ -184,5 +182,4 @@ def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers:
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
-    core.close_pairs = lambda: servicer.pairs.clear()
     return server, f"{transport}://{host}:{bound}"
