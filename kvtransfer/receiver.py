@@ -173,6 +173,10 @@ class ReceiverCore:
             inbound.deadline = max(inbound.deadline, time.time() + lease_s)
         return Ack(True)
 
+    def drop_session(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.pop(session_id, None)
+
     def close_sessions(self) -> None:
         with self._lock:
             self.sessions.clear()
