@@ -94,7 +94,10 @@ class KVSender:
         self._events.put(("start", ob))
 
     def push_layer(self, request_id: str, layer: int) -> None:
-        self._events.put(("layer", self._get(request_id), layer))
+        """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
+        ob = self._get(request_id)
+        if ob is not None:
+            self._events.put(("layer", ob, layer))
 
     def hook(self, *request_ids: str):
         """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
@@ -105,7 +108,10 @@ class KVSender:
         return push
 
     def commit(self, request_id: str, first_token: int) -> None:
-        self._events.put(("commit", self._get(request_id), int(first_token)))
+        """Queue the first token; sent once every layer was. A no-op once the transfer was reported."""
+        ob = self._get(request_id)
+        if ob is not None:
+            self._events.put(("commit", ob, int(first_token)))
 
     def renew(self, ticket: Ticket, lease_s: float) -> None:
         """Extend the receiver's lease while the request waits in the prefill queue (best effort)."""
@@ -184,9 +190,8 @@ class KVSender:
         if kind == "renew":
             self._link_for(ob.endpoint).renew(ob.transfer_id, arg)
             return
-        if kind == "abort_remote":
-            if ob.link is not None:
-                ob.link.abort(ob.ticket.transfer_id, arg)
+        if kind == "abort_remote":  # so the receiver frees its blocks now, not at the lease
+            (ob.link or self._link_for(ob.ticket.endpoint)).abort(ob.ticket.transfer_id, arg)
             return
         if ob.state.is_finished:
             return
@@ -268,12 +273,9 @@ class KVSender:
             self._links[endpoint] = link
         return link
 
-    def _get(self, request_id: str) -> Outbound:
+    def _get(self, request_id: str) -> Outbound | None:
         with self._lock:
-            ob = self._sends.get(request_id)
-        if ob is None:
-            raise KeyError(f"no transfer started for request {request_id!r}")
-        return ob
+            return self._sends.get(request_id)
 
 
 def _ack_of(future) -> Ack:

@@ -295,3 +295,20 @@ def test_reserve_without_free_blocks_raises(receiver):
     with pytest.raises(NoFreeBlocksError):
         rx.reserve("huge", 16 * (NUM_BLOCKS + 1))
     assert rx.pool.is_fully_free()
+
+
+def test_hook_calls_after_a_failed_send_are_ignored(receiver):
+    rx, spec = receiver("local")
+    src_pool = BlockPool(8)
+    src = src_pool.allocate(2)
+    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=0.0)
+    tx.start(rx.reserve("r", 20), make_source(spec, 1, num_blocks=8), src, 20)
+    [failed] = wait_results(tx, count=1)
+    assert failed.status == "FAILED" and "deadline" in failed.error
+    tx.hook("r")(0)  # the engine's forward pass may still be running: must not raise
+    tx.commit("r", 1)
+    src_pool.free(src)
+    [received] = wait_results(rx, count=1, timeout_s=5)  # the abort reached the receiver (lease: 30 s)
+    assert received.status == "FAILED"
+    tx.close()
+    assert rx.pool.is_fully_free() and src_pool.is_fully_free()
