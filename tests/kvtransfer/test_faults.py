@@ -64,7 +64,7 @@ def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transpor
     killed_at = time.time()
     results = wait_results(rx, count=3, timeout_s=lease_s + progress_s + 3)
     assert [r.status for r in results] == ["FAILED"] * 3
-    assert time.time() - killed_at <= lease_s + progress_s + 1.0
+    assert time.time() - killed_at <= lease_s + progress_s + 2.0  # slack for a loaded CI machine
     assert rx.pool.is_fully_free()
 
 
@@ -91,7 +91,7 @@ def test_receiver_killed_sender_fails_within_deadline(transport):
         tx.commit(t.request_id, 5)
     results = wait_results(tx, count=4, timeout_s=deadline_s + 2)
     assert [r.status for r in results] == ["FAILED"] * 4
-    assert time.time() - started <= deadline_s + 0.5
+    assert time.time() - started <= deadline_s + 1.5
     for r in results:
         pool.free(src[r.request_id])
     tx.close()
@@ -202,7 +202,7 @@ def test_expired_lease_frees_blocks_and_fails(receiver):
 
 def test_sender_renews_the_lease_remotely(receiver):
     rx, spec = receiver("grpc")
-    ticket = rx.reserve("r", 10, lease_s=0.5)
+    ticket = rx.reserve("r", 10, lease_s=5.0)
     tx = KVSender(make_fingerprint(spec), SECRET)
     tx.renew(ticket, 30.0)
     assert fill_until(lambda: rx.core.ledger.for_request("r").deadline > time.time() + 10)
@@ -213,14 +213,14 @@ def test_sender_renews_the_lease_remotely(receiver):
 
 
 def test_commit_without_every_layer_fails_at_the_lease(receiver):
-    rx, spec = receiver("local", progress_timeout_s=0.3)
+    rx, spec = receiver("local", progress_timeout_s=1.0)
     src = byte_views(make_source(spec, 6, num_blocks=4))
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
-    ticket = rx.reserve("r", 16, lease_s=0.3)
+    ticket = rx.reserve("r", 16, lease_s=1.0)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
     assert link.commit(ticket.transfer_id, 1).result().ok  # accepted, waits for the other layers
     assert rx.poll() == []
-    time.sleep(0.4)
+    time.sleep(1.2)
     [failed] = rx.poll()
     assert (failed.status, failed.error, failed.first_token) == ("FAILED", "lease expired", None)
     assert rx.pool.is_fully_free()

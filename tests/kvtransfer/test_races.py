@@ -67,7 +67,7 @@ def test_racing_aborts_never_leak_writes_into_reused_blocks():
         rx.abort(request_id)
     rx.poll()
     rx.close()
-    assert num_done > 20 and num_failed > 20
+    assert num_done > 5 and num_failed > 5  # both paths were exercised
     assert pool.is_fully_free()
 
 
