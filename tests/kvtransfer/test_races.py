@@ -4,7 +4,6 @@ from __future__ import annotations
 import queue
 import random
 import threading
-import time
 
 import torch
 
