@@ -45,6 +45,7 @@ class Outbound:
     error: str | None = None
     is_reported: bool = False
     layers_pushed: set[int] = field(default_factory=set)
+    layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
 
     @property
     def num_chunks(self) -> int:
@@ -97,6 +98,9 @@ class KVSender:
         """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
         ob = self._get(request_id)
         if ob is not None:
+            if ob.src_bytes[0].is_cuda:  # the layer's kernels may still run: order the send after them
+                ob.layer_ready[layer] = torch.cuda.Event()
+                ob.layer_ready[layer].record()
             self._events.put(("layer", ob, layer))
 
     def hook(self, *request_ids: str):
@@ -211,6 +215,9 @@ class KVSender:
                 return
             ob.layers_pushed.update(layers)
             ob.state = State.TRANSFERRING
+        for layer in layers:
+            if layer in ob.layer_ready:
+                ob.layer_ready.pop(layer).synchronize()
         chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
                                  ob.src_bytes[0].shape[1], self.max_chunk_bytes)
         for chunk in chunks:
