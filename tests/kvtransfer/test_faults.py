@@ -142,6 +142,7 @@ def test_calls_without_a_session_are_unauthenticated(receiver):
         with pytest.raises(grpc.RpcError) as err:
             stub.Push(pb.Chunk(transfer_id="x", layer=0, num_blocks=1, data=b"\0" * 16), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert rx.pool.is_fully_free()
 
 
 @pytest.mark.parametrize("transport", ALL)
