@@ -10,7 +10,10 @@
 4. ``release()`` hands a DONE transfer's blocks to the engine.
 
 The BlockPool is touched only from the owner's thread: reserve, renew,
-abort, poll, release and close must all be called from one thread.
+abort, poll, release and close must all be called from one thread (the
+decode loop, which polls every step). A lease is enforced twice: transport
+threads refuse data once its deadline has passed, and the next poll() frees
+the blocks and reports FAILED.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import time
 import uuid
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +43,6 @@ class Session:
     session_id: str
     transport: str
     pair: object | None = None  # nccl: the pair's process group (pairing.PairGroup)
-    created: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,13 @@ class ReceiverCore:
             inbound.deadline = max(inbound.deadline, time.time() + lease_s)
         return Ack(True)
 
-    def close_pairs(self) -> None:
-        """Replaced by the nccl service; nothing to close otherwise."""
+    def drop_session(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.pop(session_id, None)
+
+    def close_sessions(self) -> None:
+        with self._lock:
+            self.sessions.clear()
 
     def _drop(self) -> Ack:
         with self._lock:
@@ -208,7 +215,7 @@ class KVReceiver:
     # ---- owner thread ----------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int, lease_s: float = 30.0) -> Ticket:
         """Allocate the blocks for ``num_tokens`` and return their ticket. Raises NoFreeBlocksError."""
-        if self.ledger_has(request_id):
+        if self.core.ledger.for_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} already has a transfer")
         num_blocks = blocks_for_tokens(num_tokens, self.block_size)
         block_ids = self.pool.allocate(num_blocks)
@@ -217,9 +224,6 @@ class KVReceiver:
         self.core.ledger.add(Inbound(ticket, num_tokens, Coverage(self.num_layers, num_blocks),
                                      ticket.lease_deadline))
         return ticket
-
-    def ledger_has(self, request_id: str) -> bool:
-        return self.core.ledger.for_request(request_id) is not None
 
     def renew(self, request_id: str, lease_s: float) -> None:
         inbound = self.core.ledger.for_request(request_id)
@@ -278,7 +282,7 @@ class KVReceiver:
                     self.pool.free(inbound.ticket.block_ids)
                     inbound.is_freed = True
             self.core.ledger.remove(inbound)
-        self.core.close_pairs()
+        self.core.close_sessions()
 
     def _free_if_failed(self, inbound: Inbound) -> None:  # inbound.lock held
         if inbound.state.name == "FAILED" and not inbound.is_freed:

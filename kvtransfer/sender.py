@@ -45,6 +45,7 @@ class Outbound:
     error: str | None = None
     is_reported: bool = False
     layers_pushed: set[int] = field(default_factory=set)
+    layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
 
     @property
     def num_chunks(self) -> int:
@@ -94,14 +95,27 @@ class KVSender:
         self._events.put(("start", ob))
 
     def push_layer(self, request_id: str, layer: int) -> None:
-        self._events.put(("layer", self._get(request_id), layer))
+        """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
+        ob = self._get(request_id)
+        if ob is not None:
+            if ob.src_bytes[0].is_cuda:  # the layer's kernels may still run: order the send after them
+                ob.layer_ready[layer] = torch.cuda.Event()
+                ob.layer_ready[layer].record()
+            self._events.put(("layer", ob, layer))
 
-    def hook(self, request_id: str):
-        """The engine's per-layer hook ``Callable[[int], None]`` for one request."""
-        return lambda layer: self.push_layer(request_id, layer)
+    def hook(self, *request_ids: str):
+        """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
+        def push(layer: int) -> None:
+            for request_id in request_ids:
+                self.push_layer(request_id, layer)
+
+        return push
 
     def commit(self, request_id: str, first_token: int) -> None:
-        self._events.put(("commit", self._get(request_id), int(first_token)))
+        """Queue the first token; sent once every layer was. A no-op once the transfer was reported."""
+        ob = self._get(request_id)
+        if ob is not None:
+            self._events.put(("commit", ob, int(first_token)))
 
     def renew(self, ticket: Ticket, lease_s: float) -> None:
         """Extend the receiver's lease while the request waits in the prefill queue (best effort)."""
@@ -180,9 +194,8 @@ class KVSender:
         if kind == "renew":
             self._link_for(ob.endpoint).renew(ob.transfer_id, arg)
             return
-        if kind == "abort_remote":
-            if ob.link is not None:
-                ob.link.abort(ob.ticket.transfer_id, arg)
+        if kind == "abort_remote":  # so the receiver frees its blocks now, not at the lease
+            (ob.link or self._link_for(ob.ticket.endpoint)).abort(ob.ticket.transfer_id, arg)
             return
         if ob.state.is_finished:
             return
@@ -197,10 +210,14 @@ class KVSender:
 
     def _send_layers(self, ob: Outbound, layers: list[int]) -> None:
         layers = [layer for layer in dict.fromkeys(layers) if layer not in ob.layers_pushed]
-        if ob.link is None or ob.state.is_finished or not layers:
-            return
-        ob.layers_pushed.update(layers)
-        ob.state = State.TRANSFERRING
+        with self._lock:
+            if ob.link is None or ob.state.is_finished or not layers:
+                return
+            ob.layers_pushed.update(layers)
+            ob.state = State.TRANSFERRING
+        for layer in layers:
+            if layer in ob.layer_ready:
+                ob.layer_ready.pop(layer).synchronize()
         chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
                                  ob.src_bytes[0].shape[1], self.max_chunk_bytes)
         for chunk in chunks:
@@ -263,12 +280,9 @@ class KVSender:
             self._links[endpoint] = link
         return link
 
-    def _get(self, request_id: str) -> Outbound:
+    def _get(self, request_id: str) -> Outbound | None:
         with self._lock:
-            ob = self._sends.get(request_id)
-        if ob is None:
-            raise KeyError(f"no transfer started for request {request_id!r}")
-        return ob
+            return self._sends.get(request_id)
 
 
 def _ack_of(future) -> Ack:

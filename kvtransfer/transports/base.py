@@ -53,11 +53,18 @@ def chunk_ids(chunk: ChunkPlan, src_block_ids: list[int]) -> list[int]:
     return src_block_ids[chunk.first_block:chunk.first_block + chunk.num_blocks]
 
 
-def gather(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> torch.Tensor:
-    """The chunk's slabs as one contiguous ``[layers * n, slab_bytes]`` tensor (a view when it can be)."""
+def gather(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int], out=None) -> torch.Tensor:
+    """The chunk's slabs as one contiguous ``[layers * n, slab_bytes]`` tensor (a view when it can be).
+
+    out: a flat uint8 buffer of the right size to copy into, instead of a fresh allocation.
+    """
     runs = contiguous_runs(block_ids)
     parts = [src[layer][b:b + n] for layer in chunk.layers for b, n in runs]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if out is not None:
+        return torch.cat(parts, out=out.view(-1, parts[0].shape[1]))
+    return torch.cat(parts)
 
 
 def pieces(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> list:

@@ -8,7 +8,9 @@ slabs, so the only copy on the sending side is the one into the message.
 """
 from __future__ import annotations
 
+import itertools
 import threading
+import zlib
 from concurrent.futures import Future
 
 import grpc
@@ -102,19 +104,30 @@ class GrpcControl(Link):
 
 
 class GrpcLink(GrpcControl):
+    """Pushes round-robin over ``num_channels`` connections (each its own TCP socket and gRPC I/O)."""
+
     transport = "grpc"
 
-    def __init__(self, *args, window: int = 16, **kwargs):
+    def __init__(self, *args, window: int = 16, num_channels: int = 2, **kwargs):
         super().__init__(*args, **kwargs)
-        self._push = self.channel.unary_unary(_SERVICE + "Push", request_serializer=None,
-                                              response_deserializer=pb.Ack.FromString)
+        address = self.endpoint.split("://", 1)[1]
+        self._data_channels = [grpc.insecure_channel(address, options=grpc_options() + [
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
+        self._pushes = [c.unary_unary(_SERVICE + "Push", request_serializer=None,
+                                      response_deserializer=pb.Ack.FromString) for c in self._data_channels]
+        self._next = itertools.count()
         self._window = threading.Semaphore(window)
 
     @classmethod
     def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 16,
-                **options):
+                num_channels: int = 2, **options):
         channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
-        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window)
+        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
+
+    def close(self) -> None:
+        for c in self._data_channels:
+            c.close()
+        super().close()
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)
@@ -127,8 +140,6 @@ class GrpcLink(GrpcControl):
                           num_blocks=chunk.num_blocks, num_layers=chunk.num_layers,
                           nbytes=nbytes)
         if checksum:
-            import zlib
-
             crc = 0
             for p in parts:
                 crc = zlib.crc32(p, crc)
@@ -136,6 +147,6 @@ class GrpcLink(GrpcControl):
         message = b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *parts])
         if not self._window.acquire(timeout=self.chunk_timeout_s):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
-        out = self._call(self._push, message)
+        out = self._call(self._pushes[next(self._next) % len(self._pushes)], message)
         out.add_done_callback(lambda _: self._window.release())
         return out

@@ -60,10 +60,15 @@ class LocalLink(Link):
         core = self._core()
         if core is None:
             return done(Ack(False, error="receiver closed"))
-        data = gather(src, chunk, chunk_ids(chunk, src_block_ids))
-        crc = crc32_of(data) if checksum else None
-        return done(core.write_chunk(transfer_id, chunk.layer, chunk.first_block, chunk.num_blocks, data, crc,
-                                     chunk.num_layers))
+        ack = Ack(True)
+        for layer in chunk.layers:  # one copy per layer, source slabs to blocks, no staging
+            part = ChunkPlan(layer, chunk.first_block, chunk.num_blocks)
+            data = gather(src, part, chunk_ids(part, src_block_ids))
+            crc = crc32_of(data) if checksum else None
+            ack = core.write_chunk(transfer_id, layer, chunk.first_block, chunk.num_blocks, data, crc)
+            if not ack.ok:
+                break
+        return done(ack)
 
     def commit(self, transfer_id, first_token):
         core = self._core()

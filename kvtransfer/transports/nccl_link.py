@@ -26,6 +26,10 @@ from kvtransfer.types import TransferError
 from protos import kvtransfer_pb2 as pb
 
 
+def pair_device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 class NcclLink(GrpcControl):
     transport = "nccl"
 
@@ -36,6 +40,7 @@ class NcclLink(GrpcControl):
         self._tag_lock = threading.Lock()
         self._window = threading.Semaphore(window)
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvt-p2p")
+        self.staging = pairing.StagingBuffers(pair_device(pair.backend))
 
     @classmethod
     def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 32,
@@ -53,7 +58,9 @@ class NcclLink(GrpcControl):
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, pair=pair, window=window)
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
-        data = gather(src, chunk, chunk_ids(chunk, src_block_ids)).contiguous()  # [layers * n, slab_bytes]
+        ids = chunk_ids(chunk, src_block_ids)
+        staging = self.staging.take(chunk.num_layers * chunk.num_blocks * src[0].shape[1])
+        data = gather(src, chunk, ids, out=staging).contiguous()  # [layers * n, slab_bytes]
         with self._tag_lock:
             tag = next(self._tags)
         header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
@@ -70,16 +77,17 @@ class NcclLink(GrpcControl):
             self.is_broken = True
             self._window.release()
             return done(Ack(False, error=f"receiver lost: {e}"))
-        out = self._waiters.submit(self._wait, work, announced, data)
+        out = self._waiters.submit(self._wait, work, announced, data, staging)
         out.add_done_callback(lambda _: self._window.release())
         return out
 
-    def _wait(self, work, announced: Future, data: torch.Tensor) -> Ack:
+    def _wait(self, work, announced: Future, data: torch.Tensor, staging: torch.Tensor) -> Ack:
         try:
             work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
-        except Exception as e:  # connection closed or timeout: the receiver is gone
+        except Exception as e:  # connection closed or timeout: the receiver is gone (staging not reused)
             self.is_broken = True
             return Ack(False, error=f"receiver lost: {str(e).splitlines()[0][:200]}")
+        self.staging.give(staging)
         return announced.result(timeout=self.chunk_timeout_s)
 
     def close(self) -> None:

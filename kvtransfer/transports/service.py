@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 import uuid
 from concurrent import futures
 
@@ -74,7 +75,6 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self.host = host
         self.chunk_timeout_s = chunk_timeout_s
         self.store = pairing.host_store(host, chunk_timeout_s) if transport == "nccl" else None
-        self.pairs: list[pairing.PairGroup] = []
         self.staging = pairing.StagingBuffers(core.device)
 
     def _session(self, context):
@@ -106,7 +106,6 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             pair_id = uuid.uuid4().hex
             pair.build_async(self.store, pair_id, pairing.RECEIVER_RANK, self.host, self.chunk_timeout_s)
             session.pair = pair
-            self.pairs.append(pair)
             reply.store_host, reply.store_port = self.host, self.store.port
             reply.pair_id, reply.backend = pair_id, backend
         return reply
@@ -136,6 +135,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
         except Exception as e:  # the sender died or stalled: this pair is done (the buffer is not reused)
             pair.is_broken = True
+            self.core.drop_session(session.session_id)  # its next call must handshake a new pair
             self.core.fail(request.transfer_id, f"sender lost: {str(e).splitlines()[0][:200]}")
             return pb.Ack(ok=False, error=f"sender lost: {str(e).splitlines()[0][:200]}")
         crc = request.crc32 if request.has_checksum else None
@@ -174,9 +174,18 @@ def method_handlers(servicer: KVTransferServicer):
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+def advertised_host(host: str) -> str:
+    """The address peers dial: the bind address, or this machine's address when binding to all."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
 def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers: int,
-          chunk_timeout_s: float = 30.0):
-    servicer = KVTransferServicer(core, transport, host, chunk_timeout_s)
+          chunk_timeout_s: float = 30.0, advertise_host: str | None = None):
+    """Start the service on host:port; returns (server, endpoint). The endpoint names advertise_host."""
+    public = advertise_host or advertised_host(host)
+    servicer = KVTransferServicer(core, transport, public, chunk_timeout_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvt-rx"),
                          options=grpc_options())
     server.add_generic_rpc_handlers((method_handlers(servicer),))
@@ -184,5 +193,4 @@ def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers:
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
-    core.close_pairs = lambda: servicer.pairs.clear()
-    return server, f"{transport}://{host}:{bound}"
+    return server, f"{transport}://{public}:{bound}"

@@ -64,7 +64,7 @@ def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transpor
     killed_at = time.time()
     results = wait_results(rx, count=3, timeout_s=lease_s + progress_s + 3)
     assert [r.status for r in results] == ["FAILED"] * 3
-    assert time.time() - killed_at <= lease_s + progress_s + 1.0
+    assert time.time() - killed_at <= lease_s + progress_s + 2.0  # slack for a loaded CI machine
     assert rx.pool.is_fully_free()
 
 
@@ -91,7 +91,7 @@ def test_receiver_killed_sender_fails_within_deadline(transport):
         tx.commit(t.request_id, 5)
     results = wait_results(tx, count=4, timeout_s=deadline_s + 2)
     assert [r.status for r in results] == ["FAILED"] * 4
-    assert time.time() - started <= deadline_s + 0.5
+    assert time.time() - started <= deadline_s + 1.5
     for r in results:
         pool.free(src[r.request_id])
     tx.close()
@@ -142,6 +142,7 @@ def test_calls_without_a_session_are_unauthenticated(receiver):
         with pytest.raises(grpc.RpcError) as err:
             stub.Push(pb.Chunk(transfer_id="x", layer=0, num_blocks=1, data=b"\0" * 16), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert rx.pool.is_fully_free()
 
 
 @pytest.mark.parametrize("transport", ALL)
@@ -202,7 +203,7 @@ def test_expired_lease_frees_blocks_and_fails(receiver):
 
 def test_sender_renews_the_lease_remotely(receiver):
     rx, spec = receiver("grpc")
-    ticket = rx.reserve("r", 10, lease_s=0.5)
+    ticket = rx.reserve("r", 10, lease_s=5.0)
     tx = KVSender(make_fingerprint(spec), SECRET)
     tx.renew(ticket, 30.0)
     assert fill_until(lambda: rx.core.ledger.for_request("r").deadline > time.time() + 10)
@@ -213,14 +214,14 @@ def test_sender_renews_the_lease_remotely(receiver):
 
 
 def test_commit_without_every_layer_fails_at_the_lease(receiver):
-    rx, spec = receiver("local", progress_timeout_s=0.3)
+    rx, spec = receiver("local", progress_timeout_s=1.0)
     src = byte_views(make_source(spec, 6, num_blocks=4))
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
-    ticket = rx.reserve("r", 16, lease_s=0.3)
+    ticket = rx.reserve("r", 16, lease_s=1.0)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
     assert link.commit(ticket.transfer_id, 1).result().ok  # accepted, waits for the other layers
     assert rx.poll() == []
-    time.sleep(0.4)
+    time.sleep(1.2)
     [failed] = rx.poll()
     assert (failed.status, failed.error, failed.first_token) == ("FAILED", "lease expired", None)
     assert rx.pool.is_fully_free()
@@ -295,3 +296,20 @@ def test_reserve_without_free_blocks_raises(receiver):
     with pytest.raises(NoFreeBlocksError):
         rx.reserve("huge", 16 * (NUM_BLOCKS + 1))
     assert rx.pool.is_fully_free()
+
+
+def test_hook_calls_after_a_failed_send_are_ignored(receiver):
+    rx, spec = receiver("local")
+    src_pool = BlockPool(8)
+    src = src_pool.allocate(2)
+    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=0.0)
+    tx.start(rx.reserve("r", 20), make_source(spec, 1, num_blocks=8), src, 20)
+    [failed] = wait_results(tx, count=1)
+    assert failed.status == "FAILED" and "deadline" in failed.error
+    tx.hook("r")(0)  # the engine's forward pass may still be running: must not raise
+    tx.commit("r", 1)
+    src_pool.free(src)
+    [received] = wait_results(rx, count=1, timeout_s=5)  # the abort reached the receiver (lease: 30 s)
+    assert received.status == "FAILED"
+    tx.close()
+    assert rx.pool.is_fully_free() and src_pool.is_fully_free()

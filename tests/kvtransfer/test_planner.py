@@ -45,3 +45,4 @@ def test_coalesced_chunks_cover_the_same_slabs_within_the_cap(num_layers, num_bl
     assert slabs(merged) == slabs(planned)
     assert sum(c.num_layers for c in merged) == len(planned)
     assert all(c.num_layers == 1 or c.num_layers * c.num_blocks * slab <= cap for c in merged)
+
