@@ -64,8 +64,9 @@ class Cluster:
         secret = cfg.transfer.cluster_secret or secrets.token_hex(16)
         transfer = {"backend": cfg.transfer.backend, "secret": secret, "lease_s": cfg.transfer.lease_s}
         sender_extra = {"deadline_s": cfg.transfer.deadline_s, "checksum": cfg.transfer.checksum}
-        # a joined cluster may span hosts: receivers listen on their host's address
-        receiver_host = "auto" if (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else "127.0.0.1"
+        # a joined cluster may span hosts: receivers listen on every interface
+        # and advertise their host's address
+        receiver_host = "0.0.0.0" if (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else "127.0.0.1"
         for stage, sc in cfg.stages.items():
             cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):

@@ -41,13 +41,10 @@ class DecodeStage(StageLoop):
 
             opts = dict(transfer)
             self.lease_s = float(opts.pop("lease_s", 30.0))
-            host = opts.pop("host", "127.0.0.1")
-            if host == "auto":  # reachable from other nodes: this host's address
-                import socket
-                host = socket.gethostbyname(socket.gethostname())
             self.receiver = KVReceiver(
                 core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
-                opts.pop("secret"), transport=opts.pop("backend", "grpc"), host=host, **opts)
+                opts.pop("secret"), transport=opts.pop("backend", "grpc"), host=opts.pop("host", "127.0.0.1"),
+                **opts)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
         super().__init__(replica_id, core, tokenizer)
 
