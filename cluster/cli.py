@@ -8,6 +8,7 @@
     kvrelay models                          the served model
     kvrelay bench --rates 1,2,4 --out runs/x  a serving benchmark (`cluster.bench`)
     kvrelay bench compare a.json b.json     two benchmark results side by side
+    kvrelay bench-engine --write            engine.LLM vs transformers in one process (`engine.bench`)
 
 Client commands talk to ``--target`` (default 127.0.0.1:50051) and send
 ``--api-key`` (default: the KVRELAY_API_KEY environment variable).
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from engine.bench import add_arguments as add_engine_bench_arguments
+
+    p = sub.add_parser("bench-engine", help="the offline engine against transformers' generate (engine.bench)")
+    add_engine_bench_arguments(p)
     return ap
 
 
@@ -89,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cluster.bench.cli import main as bench_main
 
         return bench_main(args)
+    if args.command == "bench-engine":
+        from engine.bench import run as bench_engine
+
+        words = list(sys.argv[1:] if argv is None else argv)
+        return bench_engine(args, command=" ".join(["kvrelay", *words]))
     from cluster.client import KVRelayError
 
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 
@@ -108,8 +108,8 @@ class BlockPool:
         Blocks are released in reverse so that a sequence's tail is evicted
         before its head (its head is the more shareable prefix).
         """
-        for b in block_ids:
-            if self.ref_counts[b] <= 0:
+        for b, n in Counter(block_ids).items():
+            if self.ref_counts[b] < n:
                 raise ValueError(f"double free of block {b}")
         for b in reversed(block_ids):
             self.ref_counts[b] -= 1
@@ -121,7 +121,10 @@ class BlockPool:
 
     # ---- prefix cache --------------------------------------------------
     def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full, written block under its chained hash."""
+        """Register a full, written block under its chained hash. The block
+        must be in use: a free block's contents may be overwritten at any time."""
+        if self.ref_counts[block_id] <= 0:
+            raise ValueError(f"cache_block of block {block_id} which is not in use")
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
             return
         if block_hash in self._hash_to_block:
@@ -141,7 +144,11 @@ class BlockPool:
         return hits
 
     def acquire_cached(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on blocks returned by lookup_prefix()."""
+        """Take a reference on blocks returned by lookup_prefix() (and not
+        evicted since: call it before any allocate())."""
+        for b in block_ids:
+            if self.block_hash[b] is None:
+                raise ValueError(f"acquire_cached of block {b} which is not in the prefix cache")
         self.num_cache_queries += 1
         self.num_cache_hits += len(block_ids)
         for b in block_ids:

@@ -19,7 +19,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
-    logprobs: list[dict] | None = None
+    logprobs: list[dict] | None = None  # one per token in token_ids (when asked for)
+    delta_logprobs: list[dict] | None = None  # one per token in delta_token_ids
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
 
@@ -49,7 +50,10 @@ class OutputProcessor:
         (the caller must then finish the sequence in its engine)."""
         detok = self._detok.get(seq.request_id)
         delta = detok.step(new_token_ids) if detok is not None and new_token_ids else ""
-        stopped_by_string = bool(detok is not None and detok.stopped and not seq.is_finished)
+        # A stop string may complete on the same token that ends the sequence
+        # (max_tokens, eos): the text is cut there all the same, so it is a stop.
+        hit_stop_string = bool(detok is not None and detok.stopped)
+        stopped_by_string = hit_stop_string and not seq.is_finished
         finished = seq.is_finished or stopped_by_string
         if finished and detok is not None and not detok.stopped:
             delta += detok.flush()  # text held back as a possible stop-string start
@@ -61,12 +65,13 @@ class OutputProcessor:
             delta_text=delta,
             delta_token_ids=list(new_token_ids),
             finished=finished,
-            finish_reason="stop" if stopped_by_string else seq.finish_reason,
+            finish_reason="stop" if hit_stop_string else seq.finish_reason,
             error=seq.error,
-            logprobs=seq.output_logprobs[-len(new_token_ids):] if seq.output_logprobs and new_token_ids else None,
+            logprobs=list(seq.output_logprobs) if seq.output_logprobs else None,
+            delta_logprobs=seq.output_logprobs[-len(new_token_ids):] if seq.output_logprobs and new_token_ids else None,
             num_cached_tokens=seq.num_prefix_hit_tokens,
         )
-        if stopped_by_string:
+        if hit_stop_string:
             out.stop_reason = detok.stop_string
         elif seq.status == SequenceStatus.FINISHED_STOPPED and seq.output_token_ids:
             out.stop_reason = seq.output_token_ids[-1]

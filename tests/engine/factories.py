@@ -59,3 +59,19 @@ def hf_greedy_mismatch(hf_model, prompt: list[int], output: list[int], margin: f
         if int(row.argmax()) != tok and float(top2[0] - top2[1]) > margin:
             return j
     return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | None = None, **overrides):
+    """A tiny random llama sized to, and saved with, the tokenizer of `tokenizer_dir`
+    (the default model's), so prompts and outputs are text."""
+    import json
+    import shutil
+
+    vocab = json.loads((Path(tokenizer_dir) / "config.json").read_text())["vocab_size"]
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
+    return tiny_llm(folder, "llama", llm_kw, **dict({"vocab_size": vocab, "max_position_embeddings": 512}, **overrides))

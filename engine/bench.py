@@ -1,0 +1,263 @@
+"""kvrelay's engine against transformers' ``generate`` on the same model, in one process.
+
+    python -m engine.bench                        # print the table
+    python -m engine.bench --write                # also replace `## Engine` in BENCHMARKS.md
+    python -m engine.bench --profile runs/prof    # only: torch.profiler over decode steps
+    kvrelay bench-engine ...                      # the same, from the CLI
+
+Figures (greedy, EOS ignored, same random prompts for both):
+
+- single-stream decode tokens/s: one 128-token prompt, 128 new tokens;
+  (new tokens - 1) / (end-to-end time - time to first token);
+- time to first token: one 128-token prompt, one new token (median of 3);
+- batch-16 output tokens/s: 16 x 128-token prompts, 128 new tokens each;
+  all output tokens / wall time.
+
+The engine runs with the prefix cache off, since transformers has none and
+the same prompts are run repeatedly. Each workload is warmed up once (same
+shapes, 16 new tokens) before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+SECTION = "## Engine"
+WARMUP_TOKENS = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
+    p.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE, help=argparse.SUPPRESS)
+    p.add_argument("--profile", metavar="DIR", type=Path, default=None,
+                   help="instead of the comparison, profile a few engine decode steps: "
+                        "write a Chrome trace to DIR and print the top ops")
+
+
+@dataclass
+class Figures:
+    decode_tok_s: float
+    ttft_s: float
+    batch_tok_s: float
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random token ids, clear of the low ids where tokenizers keep special tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(min(100, vocab // 2), vocab, (n, length), generator=g).tolist()
+
+
+# ---- kvrelay -------------------------------------------------------------------
+
+def _kv_params(n: int):
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def bench_kvrelay(llm, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
+    llm.generate(prompt, _kv_params(WARMUP_TOKENS))
+    llm.generate(batch, _kv_params(WARMUP_TOKENS))
+
+    out = llm.generate(prompt, _kv_params(new))[0]
+    assert len(out.token_ids) == new
+    decode = (new - 1) / (out.metrics["e2e"] - out.metrics["ttft"])
+
+    ttfts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate(prompt, _kv_params(1))
+        ttfts.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, _kv_params(new))
+    wall = time.perf_counter() - t0
+    assert all(len(o.token_ids) == new for o in outs)
+    return Figures(decode, statistics.median(ttfts), len(batch) * new / wall)
+
+
+# ---- transformers --------------------------------------------------------------
+
+def _hf_generate(model, ids: list[list[int]], new: int) -> float:
+    import torch
+
+    x = torch.tensor(ids)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    assert out.shape[1] == x.shape[1] + new
+    return wall
+
+
+def bench_transformers(model, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
+    _hf_generate(model, [prompt], WARMUP_TOKENS)
+    _hf_generate(model, batch, WARMUP_TOKENS)
+    ttft = statistics.median(_hf_generate(model, [prompt], 1) for _ in range(3))
+    total = _hf_generate(model, [prompt], new)
+    wall = _hf_generate(model, batch, new)
+    return Figures((new - 1) / (total - ttft), ttft, len(batch) * new / wall)
+
+
+# ---- report --------------------------------------------------------------------
+
+def table(kv: Figures, hf: Figures, args) -> str:
+    rows = [
+        (f"single-stream decode, tokens/s ({args.prompt_len}-token prompt, {args.new_tokens} new)",
+         f"{kv.decode_tok_s:.1f}", f"{hf.decode_tok_s:.1f}", kv.decode_tok_s / hf.decode_tok_s),
+        (f"time to first token, ms ({args.prompt_len}-token prompt)",
+         f"{kv.ttft_s * 1e3:.0f}", f"{hf.ttft_s * 1e3:.0f}", hf.ttft_s / kv.ttft_s),
+        (f"batch-{args.batch} output tokens/s ({args.prompt_len}-token prompts, {args.new_tokens} new each)",
+         f"{kv.batch_tok_s:.1f}", f"{hf.batch_tok_s:.1f}", kv.batch_tok_s / hf.batch_tok_s),
+    ]
+    lines = ["| metric | kvrelay | transformers | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {m} | {a} | {b} | {r:.2f}x |" for m, a, b, r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"`nproc` {os.cpu_count()}, {cpu}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}")
+
+
+def section(body: str, args, model_name: str, command: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""{SECTION}
+
+`engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}, greedy, EOS ignored,
+same random prompts, one process, each workload warmed up once (`engine/bench.py`).
+Ratio: how many times better kvrelay is (throughput: kvrelay / transformers; time to first
+token: transformers / kvrelay).
+
+{body}
+
+- Command: `{command}`
+- Date: {now}
+- Machine: {machine()}
+- What bounds each figure: single-stream decode is one token per step, so it is bound by reading
+  every weight once per token (memory bandwidth) plus per-step Python and scheduling overhead;
+  time to first token is the prefill of {args.prompt_len} tokens, bound by matmul compute; batch
+  throughput shares each weight read across {args.batch} sequences, so it is bound by compute
+  (matmuls, and attention over the paged cache that grows with each token).
+- The machine is shared with other jobs, so these figures are noisy (expect tens of percent
+  between runs); compare ratios from one run rather than figures across runs.
+"""
+
+
+def replace_section(text: str, new_section: str) -> str:
+    """`text` with its `## Engine` section (up to the next `## ` heading)
+    replaced by `new_section`, or with `new_section` appended."""
+    new_section = new_section.rstrip("\n") + "\n"
+    m = re.search(rf"^{re.escape(SECTION)}[ \t]*$", text, flags=re.M)
+    if m is None:
+        if not text.strip():
+            return "# Benchmarks\n\n" + new_section
+        return text.rstrip("\n") + "\n\n" + new_section
+    nxt = re.search(r"^## ", text[m.end():], flags=re.M)
+    end = m.end() + nxt.start() if nxt else len(text)
+    rest = text[end:]
+    return text[:m.start()] + new_section + ("\n" + rest if rest else "")
+
+
+# ---- profile -------------------------------------------------------------------
+
+def profile(llm, prompt: list[int], out_dir: Path, num_steps: int = 8) -> str:
+    """Profile `num_steps` decode steps of one sequence; returns the top-ops table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm.generate(prompt, _kv_params(WARMUP_TOKENS))  # warm-up
+    rid = llm.add_request(prompt, _kv_params(num_steps + 2))
+    llm.step()  # the prefill
+    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(num_steps):
+            llm.step()
+    while llm.has_unfinished():
+        llm.step()
+    llm.abort(rid)
+    trace = out_dir / "engine_decode_trace.json"
+    prof.export_chrome_trace(str(trace))
+    print(f"wrote {trace} ({num_steps} decode steps)")
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
+# ---- main ----------------------------------------------------------------------
+
+def run(args: argparse.Namespace, command: str | None = None) -> int:
+    import torch
+
+    from engine.llm import LLM
+    from engine.weights import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    model_name = Path(model_dir).name if args.model else "SmolLM2-135M-Instruct"
+    llm = LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+    prompts = make_prompts(args.batch + 1, args.prompt_len, llm.model_config.vocab_size)
+    prompt, batch = prompts[0], prompts[1:]
+
+    if args.profile is not None:
+        print(profile(llm, prompt, args.profile))
+        return 0
+
+    print(f"kvrelay ({model_name}, {args.dtype}) ...", file=sys.stderr)
+    kv = bench_kvrelay(llm, prompt, batch, args.new_tokens)
+    assert llm.core.pool.is_fully_free()
+    del llm
+
+    from transformers import AutoModelForCausalLM
+
+    print("transformers ...", file=sys.stderr)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    ref = bench_transformers(hf, prompt, batch, args.new_tokens)
+
+    body = table(kv, ref, args)
+    print(body)
+    if args.write:
+        command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
+        path = args.benchmarks_file
+        old = path.read_text() if path.is_file() else ""
+        path.write_text(replace_section(old, section(body, args, model_name, command.strip())))
+        print(f"wrote the '{SECTION}' section of {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""engine.bench: the BENCHMARKS.md section rewrite, and a run end to end on a tiny model."""
+from __future__ import annotations
+
+import re
+
+from engine.bench import main, replace_section
+from tests.engine.factories import save_tiny_model
+
+NEW = "## Engine\n\nnew table\n"
+
+
+def test_replace_section_keeps_the_other_sections():
+    text = "# Benchmarks\n\n## Serving\n\nserving figures\n\n## Engine\n\nold table\nmore\n\n## Transfer\n\nt\n"
+    out = replace_section(text, NEW)
+    assert out == "# Benchmarks\n\n## Serving\n\nserving figures\n\n## Engine\n\nnew table\n\n## Transfer\n\nt\n"
+    assert replace_section(out, NEW) == out
+    last = replace_section("# B\n\n## Engine\n\nold\n### sub\nold too\n", NEW)
+    assert last == "# B\n\n## Engine\n\nnew table\n"
+    assert replace_section("# B\n\n## Serving\n\nx\n", NEW) == "# B\n\n## Serving\n\nx\n\n## Engine\n\nnew table\n"
+    assert replace_section("", NEW) == "# Benchmarks\n\n## Engine\n\nnew table\n"
+    assert replace_section("## Engines\n", NEW).startswith("## Engines\n\n## Engine\n")
+
+
+def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    save_tiny_model(tmp_path / "m")
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n## Serving\n\nkeep me\n")
+    args = ["--model", str(tmp_path / "m"), "--dtype", "float32", "--prompt-len", "8",
+            "--new-tokens", "4", "--batch", "2", "--write", "--benchmarks-file", str(md)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 4
+    assert "| metric | kvrelay | transformers | ratio |" in out
+    text = md.read_text()
+    assert "keep me" in text and "## Engine" in text and "- Command: `python -m engine.bench" in text
+    assert re.search(r"- Machine: `nproc` \d+, .*torch ", text)
+    assert main(["--model", str(tmp_path / "m"), "--dtype", "float32", "--prompt-len", "8",
+                 "--profile", str(tmp_path / "prof")]) == 0
+    assert (tmp_path / "prof" / "engine_decode_trace.json").stat().st_size > 0
+    assert "Self CPU" in capsys.readouterr().out
+
+
+def test_cli_has_bench_engine():
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["bench-engine", "--dtype", "float32", "--batch", "4"])
+    assert (args.command, args.dtype, args.batch, args.new_tokens) == ("bench-engine", "float32", 4, 128)
