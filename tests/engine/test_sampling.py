@@ -165,7 +165,11 @@ def _allowed(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: fl
                 maybe.add(i)
             kept.add(i)
             cum += q[i]
-        keep = kept
+        # tokens tied (to rounding) with the last kept one may be kept instead of it
+        low = min(q[i] for i in kept)
+        ties = {i for i in keep if abs(q[i] - low) <= eps * total}
+        maybe |= ties
+        keep = kept | ties
     return keep - maybe, keep
 
 
