@@ -161,8 +161,7 @@ class StageLoop:
         ``<out_dir>/<replica_id>-<timestamp>.json``."""
         return self.call(self._stop_profile, timeout=300.0)
 
-    @staticmethod
-    def host() -> str:
+    def host(self) -> str:
         """This replica's host name (where its trace files are written)."""
         return socket.gethostname()
 
