@@ -1,5 +1,6 @@
-"""Profiling a running cluster: a trace per replica from the Profile RPC, and
-per-request timelines. One small disaggregated cluster (1 prefill + 1 decode)."""
+"""Profiling a running cluster: a window at startup from the spec, a trace
+per replica from the Profile RPC, and per-request timelines. One small
+disaggregated cluster (1 prefill + 1 decode)."""
 from __future__ import annotations
 
 import json
@@ -14,9 +15,26 @@ from tests.e2e.conftest import disagg_spec, running_cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_instance):
-    with running_cluster(disagg_spec(1, 1)) as rc:
+def startup_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("startup-traces")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_instance, startup_dir):
+    with running_cluster(disagg_spec(1, 1, profile={"dir": str(startup_dir), "seconds": 0.5})) as rc:
+        rc.run(_finished(rc.cluster._startup_profile))  # closed before the tests open their windows
         yield rc
+
+
+def test_spec_profile_window_at_startup(cluster, startup_dir):
+    files = sorted(p.name for p in startup_dir.glob("*.json"))
+    assert [f.split("-2")[0] for f in files] == ["decode-0", "prefill-0"], files
+    for f in startup_dir.glob("*.json"):
+        assert json.loads(f.read_text())["traceEvents"] is not None
+
+
+async def _finished(task) -> None:
+    await task
 
 
 def _names(path: str) -> set[str]:
