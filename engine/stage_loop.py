@@ -233,7 +233,10 @@ class StageLoop:
                 self.emit(Delta(rid, [], "", "error", f"{self.replica_id} failed: {self._fatal}"))
         finally:
             if self._profile is not None:
-                self._stop_profile()
+                try:
+                    self._stop_profile()
+                except Exception:
+                    log.exception("%s: could not write the open profile", self.replica_id)
             self._on_stop()
 
     def _drain_commands(self, wait: float) -> None:
