@@ -53,7 +53,8 @@ class Backend(Protocol):
           that fails after starting ends with ``FinishReason.ERROR`` and
           ``error`` set, or raises. The last delta may carry the stage-side
           timings as ``stage_metrics`` (`cluster.types.StageMetrics`) for
-          the Prometheus metrics.
+          the Prometheus metrics, and, when ``request.timeline`` is set, the
+          request's phases as ``timeline`` (`cluster.types.RequestTimeline`).
         - If the consumer stops early (``aclose()``), the request is aborted
           and everything it held is freed.
         """
@@ -66,3 +67,9 @@ class Backend(Protocol):
     async def status(self) -> ClusterStatus:
         """Replicas, their load and KV usage, and the admission queue's length."""
         ...
+
+    # Optional, not part of the protocol (the gRPC Profile RPC answers
+    # UNIMPLEMENTED without it):
+    #   async def profile(self, seconds: float, out_dir: str) -> list[ProfileTrace]
+    # records a profiler window of ``seconds`` on every replica and returns the
+    # Chrome traces they wrote, each on its replica's host.

@@ -30,7 +30,7 @@ from cluster.metrics import ServingMetrics
 from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.spec import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
-                           NoReplicaError, OverloadedError)
+                           NoReplicaError, OverloadedError, RequestTimeline)
 from cluster.validation import check_model, check_request_id, validate_request
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
@@ -38,6 +38,7 @@ from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
+MAX_PROFILE_S = 600.0
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
@@ -105,6 +106,23 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"status failed: {type(e).__name__}: {e}")
         return status_to_proto(status)
 
+    async def Profile(self, request: pb.ProfileRequest, context: grpc.aio.ServicerContext) -> pb.ProfileResponse:
+        await self._authenticate(context)
+        profile = getattr(self.backend, "profile", None)
+        if profile is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this backend does not profile")
+        if not 0 < request.seconds <= MAX_PROFILE_S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"seconds: must be in (0, {MAX_PROFILE_S:g}]")
+        if not request.out_dir:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_dir: must not be empty")
+        try:
+            traces = await profile(request.seconds, request.out_dir)
+        except Exception as e:
+            log.exception("profile failed")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"profile failed: {type(e).__name__}: {e}")
+        return pb.ProfileResponse(trace_files=[t.path for t in traces], traces=[
+            pb.ProfileTrace(replica_id=t.replica_id, host=t.host, path=t.path) for t in traces])
+
     # ---- helpers -------------------------------------------------------------
     async def _authenticate(self, context: grpc.aio.ServicerContext, count_refusal: bool = False) -> None:
         if not self._api_keys:
@@ -138,7 +156,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
         )
-        return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling)
+        return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
+                               timeline=request.timeline)
 
     @staticmethod
     def _to_response(delta: GenerateDelta, req: GenerateRequest, num_generated: int) -> pb.GenerateResponse:
@@ -152,7 +171,13 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             resp.finish_reason = _FINISH[delta.finish_reason]
             resp.usage.CopyFrom(pb.Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=num_generated,
                                          cached_prompt_tokens=delta.num_cached_tokens))
+            if req.timeline and delta.timeline is not None:
+                resp.timeline.CopyFrom(timeline_to_proto(delta.timeline))
         return resp
+
+
+def timeline_to_proto(t: RequestTimeline) -> pb.RequestTimeline:
+    return pb.RequestTimeline(**t.phases())
 
 
 def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:

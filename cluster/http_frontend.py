@@ -23,6 +23,12 @@ param, code}}``:
     500 the request failed inside the cluster; after a stream has started,
         an ``data: {"error": ...}`` event instead
 
+An extension: ``"kvrelay_timeline": true`` in a completion body adds
+``"kvrelay_timeline": {"routed_s": ..., "prefill_start_s": ..., ...}`` to the
+response (streamed: to the chunk with the finish reason), the request's
+phases in seconds after it arrived (`cluster.types.RequestTimeline`; wall
+clocks per process, so across hosts it is off by their clocks' difference).
+
 If the client disconnects, the handler is cancelled (or its next write
 fails) and the request is aborted in the backend.
 """
@@ -71,6 +77,12 @@ def _failure_body(error: str | None) -> dict:
 def _failed(error: str | None) -> web.Response:
     """A request that failed inside the cluster, before its response started."""
     return web.json_response(_failure_body(error), status=500)
+
+
+def _with_timeline(body: dict, req: GenerateRequest, delta: GenerateDelta) -> dict:
+    if req.timeline and delta.finish_reason is not None and delta.timeline is not None:
+        body["kvrelay_timeline"] = delta.timeline.phases()
+    return body
 
 
 @web.middleware
@@ -209,7 +221,8 @@ class HttpFrontend:
                 log.exception("request %s failed", req.request_id)
                 return _failed(f"{type(e).__name__}: {e}")
         usage = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
-        return web.json_response(out.response("".join(parts), delta.finish_reason, lps, usage))
+        return web.json_response(_with_timeline(out.response("".join(parts), delta.finish_reason, lps, usage),
+                                                req, delta))
 
     @staticmethod
     async def _stream(request: web.Request, req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
@@ -229,7 +242,8 @@ class HttpFrontend:
                     break
                 num_tokens += len(delta.token_ids)
                 if delta.text or delta.logprobs or delta.finish_reason is not None or is_first:
-                    await send(out.chunk(delta.text, delta.finish_reason, delta.logprobs or ()))
+                    await send(_with_timeline(out.chunk(delta.text, delta.finish_reason, delta.logprobs or ()),
+                                              req, delta))
                     is_first = False
                 if delta.finish_reason is not None:
                     if out.include_usage:

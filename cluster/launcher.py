@@ -47,6 +47,7 @@ class Cluster:
         self.backend: RayBackend | None = None
         self.frontends: Frontends | None = None
         self._started_ray = False
+        self._startup_profile: asyncio.Task | None = None
         self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
 
     # ---- actors ------------------------------------------------------------
@@ -129,9 +130,28 @@ class Cluster:
         await asyncio.get_running_loop().run_in_executor(None, self.start_actors)
         await self.start_backend()
         self.frontends = await serve_frontends(self.backend, self.config.frontend)
+        if self.config.profile is not None:
+            self._startup_profile = asyncio.create_task(self._profile_at_startup())
         return self.frontends
 
+    async def _profile_at_startup(self) -> None:
+        p = self.config.profile
+        await asyncio.sleep(p.delay_s)
+        try:
+            traces = await self.backend.profile(p.seconds, p.out_dir, p.with_stack)
+        except Exception:
+            log.exception("the startup profile failed")
+            return
+        for t in traces:
+            log.info("profile of %s: %s on %s", t.replica_id, t.path, t.host)
+
     async def stop(self) -> None:
+        if self._startup_profile is not None and not self._startup_profile.done():
+            self._startup_profile.cancel()  # stops the window on the replicas (backend.profile's finally)
+            try:
+                await self._startup_profile
+            except asyncio.CancelledError:
+                pass
         if self.frontends is not None:
             await self.frontends.stop(grace=5.0)
         if self.backend is not None:

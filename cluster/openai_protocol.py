@@ -43,6 +43,7 @@ class _GenerateBody(_Body):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    kvrelay_timeline: bool | None = None  # an extension: the request's timeline in the response
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: Any = None  # ignored
@@ -126,7 +127,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         if renamed and renamed != e.field:
             raise InvalidRequestError(renamed, e.problem.replace("max_tokens", renamed)) from None
         raise
-    return GenerateRequest(request_id, token_ids, sampling)
+    return GenerateRequest(request_id, token_ids, sampling, timeline=bool(body.kvrelay_timeline))
 
 
 def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:

@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator
 
 from cluster.router import ReplicaLoad, Router
-from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, Stage,
-                           StageMetrics, TokenLogprob)
+from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, ProfileTrace,
+                           RequestTimeline, Stage, StageMetrics, TokenLogprob)
 from engine.sampling import SamplingParams as EngineSamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class RayBackend:
         import ray
 
         placement = await self.router.acquire(request)
+        routed_at = time.time()
         rid = request.request_id
         params = engine_params(request)
         ids = request.prompt_token_ids
@@ -140,6 +141,9 @@ class RayBackend:
                                 delta.stage_metrics = await self._stage_metrics(watcher, prefill_box)
                                 if "result" in prefill_box:  # the prefix cache that counts is prefill's
                                     delta.num_cached_tokens = prefill_box["result"].num_cached_tokens
+                            if request.timeline:
+                                delta.timeline = _timeline(request, routed_at, d.metrics, prefill_box.get("result"),
+                                                           colocated=prefill is None)
                         yield delta
                         if finished:
                             return
@@ -208,9 +212,51 @@ class RayBackend:
             except Exception:
                 pass
 
+    async def profile(self, seconds: float, out_dir: str, with_stack: bool = False) -> list[ProfileTrace]:
+        """Record a profiler window of ``seconds`` on every live replica; each
+        writes a Chrome trace into ``out_dir`` on its own host."""
+        alive = {r.replica_id for r in self.router.replicas() if r.is_alive}
+        ids = [rid for rid in self.replicas if rid in alive]
+        handles = [self.replicas[rid][1] for rid in ids]
+        started = await asyncio.gather(*(h.start_profile.remote(out_dir, with_stack) for h in handles),
+                                       return_exceptions=True)
+        try:
+            failed = [(rid, e) for rid, e in zip(ids, started) if isinstance(e, BaseException)]
+            if failed:
+                rid, e = failed[0]
+                raise RuntimeError(f"profile could not start on {rid}: {e}")
+            await asyncio.sleep(seconds)
+        finally:
+            ok = [(rid, h) for rid, h, e in zip(ids, handles, started) if not isinstance(e, BaseException)]
+            paths = await asyncio.gather(*(h.stop_profile.remote() for _, h in ok), return_exceptions=True)
+            hosts = await asyncio.gather(*(h.host.remote() for _, h in ok), return_exceptions=True)
+        traces = []
+        for (rid, _), path, host in zip(ok, paths, hosts):
+            if isinstance(path, BaseException):
+                raise RuntimeError(f"profile could not stop on {rid}: {path}")
+            traces.append(ProfileTrace(rid, host if isinstance(host, str) else "?", path))
+        return traces
+
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(*(h.abort.remote(request_id) for _, h in self.replicas.values()),
                              return_exceptions=True)
 
     async def status(self) -> ClusterStatus:
         return ClusterStatus(self.model_name, self.mode, self.router.replica_statuses(), self.router.num_waiting)
+
+
+def _timeline(request: GenerateRequest, routed_at: float, decode_metrics: dict, prefill_result,
+              colocated: bool) -> RequestTimeline:
+    """The request's phases from the wall-clock stamps of the frontend, the
+    prefill result and the decode replica's final metrics."""
+    t0 = request.arrival_wall_time
+    dw = (decode_metrics or {}).get("wall_times", {})
+    if colocated:
+        stamps = {"prefill_queued_s": dw.get("arrival"), "prefill_start_s": dw.get("first_scheduled"),
+                  "prefill_end_s": dw.get("first_token")}
+    else:
+        pw = prefill_result.timings.get("wall_times", {}) if prefill_result is not None else {}
+        stamps = {"prefill_queued_s": pw.get("prefill_queued"), "prefill_start_s": pw.get("prefill_start"),
+                  "prefill_end_s": pw.get("prefill_end"), "kv_transfer_done_s": dw.get("kv_ready")}
+    stamps.update(routed_s=routed_at, first_decode_step_s=dw.get("first_decode"), finish_s=time.time())
+    return RequestTimeline(**{k: v - t0 for k, v in stamps.items() if v is not None})

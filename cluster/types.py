@@ -54,6 +54,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    timeline: bool = False  # return a RequestTimeline on the last delta
+    arrival_wall_time: float = field(default_factory=time.time)  # the timeline's zero
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,6 +94,41 @@ class StageMetrics:
     num_kv_transfer_failures: int = 0
 
 
+@dataclass(frozen=True)
+class RequestTimeline:
+    """When a request passed each phase, in seconds after it arrived at the
+    frontend; None where the phase did not happen here or was not measured.
+
+    The stamps are ``time.time()`` taken in each process (frontend, prefill
+    and decode replicas), so they compare across processes on one host;
+    across hosts they are off by the difference of the hosts' clocks.
+    """
+
+    routed_s: float | None = None  # the router placed it
+    prefill_queued_s: float | None = None  # it entered the prefill (or colocated) replica's queue
+    prefill_start_s: float | None = None  # its first prompt chunk was scheduled
+    prefill_end_s: float | None = None  # prompt computed, first token sampled
+    kv_transfer_done_s: float | None = None  # the decode replica had every layer (disaggregated)
+    first_decode_step_s: float | None = None  # the first decode step after the first token
+    finish_s: float | None = None  # the last delta reached the backend
+
+    PHASES = ("routed_s", "prefill_queued_s", "prefill_start_s", "prefill_end_s", "kv_transfer_done_s",
+              "first_decode_step_s", "finish_s")
+
+    def phases(self) -> dict[str, float]:
+        """The phases that are set, in order."""
+        return {k: getattr(self, k) for k in self.PHASES if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class ProfileTrace:
+    """A Chrome trace one replica wrote for a profile window, on its own host."""
+
+    replica_id: str
+    host: str
+    path: str
+
+
 @dataclass
 class GenerateDelta:
     """What one request produced since its previous delta.
@@ -110,6 +147,7 @@ class GenerateDelta:
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (final delta)
     error: str | None = None  # set with FinishReason.ERROR
     stage_metrics: StageMetrics | None = None  # optional, on the last delta only
+    timeline: RequestTimeline | None = None  # on the last delta, when the request asked for it
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import model_fingerprint
+from engine.profiling import RECEIVER_POLL, phase
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.stage_loop import Delta, StageLoop, load_engine
@@ -100,7 +101,9 @@ class DecodeStage(StageLoop):
 
     def _iterate(self) -> bool:
         if self.receiver is not None:
-            for result in self.receiver.poll():
+            with phase(RECEIVER_POLL):
+                results = self.receiver.poll()
+            for result in results:
                 seq = self._incoming.pop(result.request_id, None)
                 if seq is None:
                     continue

@@ -13,6 +13,7 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
 from engine.kv_manager import KVCacheManager
 from engine.model import LayerHook, LlamaModel
+from engine.profiling import SCHEDULE, UPDATE, phase
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -93,6 +94,7 @@ class EngineCore:
         """Admit a sequence whose prompt KV is already in ``seq.block_ids`` and
         whose first token is in ``seq.output_token_ids`` (decode stage)."""
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.metrics.first_token_time = seq.metrics.kv_ready_time = time.monotonic()
         if not seq.eos_token_ids:
             seq.eos_token_ids = self.eos_token_ids
         self._seqs[seq.request_id] = seq
@@ -131,7 +133,8 @@ class EngineCore:
         """One schedule → execute → update round. ``on_batch`` sees the scheduled
         batch before the forward pass and may return a per-layer hook (the
         prefill stage starts KV sends there)."""
-        sched = self.scheduler.schedule()
+        with phase(SCHEDULE):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         layer_hook = on_batch(sched) if on_batch is not None else None
@@ -139,10 +142,14 @@ class EngineCore:
         self.num_steps += 1
         now = time.monotonic()
         outputs = []
-        for seq in self.scheduler.update(sched, sampled):
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if seq.is_finished:
-                self._seqs.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
+        with phase(UPDATE):
+            for seq in self.scheduler.update(sched, sampled):
+                m = seq.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                elif m.first_decode_time is None:
+                    m.first_decode_time = now
+                if seq.is_finished:
+                    self._seqs.pop(seq.request_id, None)
+                outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
         return outputs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor, RequestOutput
+from engine.profiling import ProfileWindow, enable_nvtx
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,10 @@ class StageLoop:
         self._stopped = threading.Event()
         self._fatal: str | None = None
         self._load: dict = self._snapshot_load()
+        self._profile: ProfileWindow | None = None
+        self._is_cuda = str(core.config.device).startswith("cuda")
+        if self._is_cuda:
+            enable_nvtx()
         self._thread = threading.Thread(target=self._run, name=f"{replica_id}-loop", daemon=True)
         self._thread.start()
 
@@ -145,6 +151,20 @@ class StageLoop:
         """End a request with an error (e.g. its prefill failed elsewhere)."""
         self.post(self._fail, request_id, error)
 
+    def start_profile(self, out_dir: str, with_stack: bool = False) -> None:
+        """Open a profiler window on the loop thread (CPU, plus CUDA on a GPU).
+        Raises if one is already open on this replica."""
+        self.call(self._start_profile, out_dir, with_stack)
+
+    def stop_profile(self) -> str:
+        """Close the window; returns the Chrome trace's path on this host,
+        ``<out_dir>/<replica_id>-<timestamp>.json``."""
+        return self.call(self._stop_profile, timeout=300.0)
+
+    def host(self) -> str:
+        """This replica's host name (where its trace files are written)."""
+        return socket.gethostname()
+
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put((lambda: None, (), None))
@@ -184,6 +204,19 @@ class StageLoop:
         self._release(request_id)
         self.fail_request(request_id, error)
 
+    def _start_profile(self, out_dir: str, with_stack: bool) -> None:
+        if self._profile is not None:
+            raise RuntimeError(f"{self.replica_id}: a profile is already running")
+        window = ProfileWindow(out_dir, self.replica_id, with_stack, cuda=self._is_cuda)
+        window.start()
+        self._profile = window
+
+    def _stop_profile(self) -> str:
+        if self._profile is None:
+            raise RuntimeError(f"{self.replica_id}: no profile is running")
+        window, self._profile = self._profile, None
+        return str(window.stop())
+
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
@@ -199,6 +232,11 @@ class StageLoop:
             for rid in ids:
                 self.emit(Delta(rid, [], "", "error", f"{self.replica_id} failed: {self._fatal}"))
         finally:
+            if self._profile is not None:
+                try:
+                    self._stop_profile()
+                except Exception:
+                    log.exception("%s: could not write the open profile", self.replica_id)
             self._on_stop()
 
     def _drain_commands(self, wait: float) -> None:

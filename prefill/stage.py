@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import model_fingerprint
+from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -40,7 +41,8 @@ class PrefillResult:
     logprobs: dict | None = None
     error: str | None = None
     num_cached_tokens: int = 0
-    timings: dict = field(default_factory=dict)  # queue_time_s, prefill_time_s, kv_transfer_time_s, kv_transfer_bytes
+    timings: dict = field(default_factory=dict)  # queue_time_s, prefill_time_s, kv_transfer_time_s, kv_transfer_bytes,
+    # wall_times: {prefill_queued, prefill_start, prefill_end} as time.time() stamps
 
 
 @dataclass
@@ -106,8 +108,9 @@ class PrefillStage(StageLoop):
             if job is None or not s.samples:
                 continue
             seq = s.seq
-            self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
-                              seq.num_prompt_tokens)
+            with phase(KV_TRANSFER_START):
+                self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
+                                  seq.num_prompt_tokens)
             job.sending = True
             starting.append(seq.request_id)
         if not starting:
@@ -128,7 +131,8 @@ class PrefillStage(StageLoop):
                     continue
                 job.compute_done = time.monotonic()
                 if out.seq.status == SequenceStatus.FINISHED_LENGTH:
-                    self.sender.commit(out.seq.request_id, out.new_token_ids[0])
+                    with phase(KV_COMMIT):
+                        self.sender.commit(out.seq.request_id, out.new_token_ids[0])
             busy = True
         for result in self.sender.poll():
             job = self._jobs.pop(result.request_id, None)
@@ -150,6 +154,12 @@ class PrefillStage(StageLoop):
                 timings["prefill_time_s"] = job.compute_done - m.first_scheduled_time
                 timings["kv_transfer_time_s"] = now - job.compute_done  # what the transfer added after compute
         timings["kv_transfer_bytes"] = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block
+        wall = m.wall_times()  # for a request timeline: queued here, prefill start and end
+        timings["wall_times"] = {"prefill_queued": wall["arrival"]}
+        if "first_scheduled" in wall:
+            timings["wall_times"]["prefill_start"] = wall["first_scheduled"]
+        if job.compute_done is not None:
+            timings["wall_times"]["prefill_end"] = job.compute_done + (time.time() - now)
         if result.status != "DONE":
             return PrefillResult(seq.request_id, "FAILED", error=result.error, timings=timings)
         return PrefillResult(seq.request_id, "DONE", result.first_token,

@@ -134,6 +134,23 @@ def test_completion_stream_without_usage(served):
     assert chunks[-1].choices[0].finish_reason == "stop" and all(c.usage is None for c in chunks)
 
 
+def test_kvrelay_timeline_extension(served):
+    want = {"routed_s": pytest.approx(0.001), "prefill_end_s": pytest.approx(0.01), "finish_s": pytest.approx(0.02)}
+    status, body = served.post("/v1/completions", json.dumps(
+        {"prompt": "hello world", "max_tokens": 2, "kvrelay_timeline": True}).encode())
+    assert status == 200 and body["kvrelay_timeline"] == want
+    status, body = served.post("/v1/chat/completions", json.dumps(
+        {"messages": CHAT, "max_tokens": 2}).encode())
+    assert status == 200 and "kvrelay_timeline" not in body
+    chunks = list(served.client().chat.completions.create(
+        model="echo", messages=CHAT, max_tokens=2, stream=True, extra_body={"kvrelay_timeline": True}))
+    assert [c.model_extra.get("kvrelay_timeline") for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["kvrelay_timeline"] == want
+    status, body = served.post("/v1/completions", json.dumps(
+        {"prompt": "hello", "kvrelay_timeline": "yes"}).encode())
+    assert status == 400 and body["error"]["param"] == "kvrelay_timeline"
+
+
 def test_sampling_params_reach_the_backend(served):
     client = served.client()
     client.completions.create(model="echo", prompt=[6, 7], max_tokens=2, temperature=0.5, top_p=0.9, seed=7,
