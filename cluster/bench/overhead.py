@@ -151,11 +151,18 @@ def main(argv=None) -> None:
     text = "\n".join(table)
     print(text)
     if args.write:
-        from cluster.bench.report import replace_section
+        import sys
 
-        cmd = "python -m cluster.bench.overhead " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-        replace_section("Cluster overhead", f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, "
-                        f"dtype {args.dtype}, {args.max_tokens} new tokens, chat prompt of ~40 tokens)\n\n{text}\n")
+        from engine.bench import BENCHMARKS_FILE, machine, replace_section
+
+        cmd = "python -m cluster.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        body = (f"## Cluster overhead\n\nOne chat request (~40 prompt tokens, {args.max_tokens} new tokens, greedy, "
+                f"{args.dtype}) streamed through `engine.LLM` in-process and through running clusters over gRPC; "
+                f"then {args.concurrent} concurrent streams. Disaggregated: 1 prefill + 1 decode replica, one CPU "
+                f"each; colocated: 2 replicas, one CPU each.\n\n{text}\n\n- Command: `{cmd.strip()}`\n"
+                f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- Machine: {machine()}\n")
+        old = BENCHMARKS_FILE.read_text() if BENCHMARKS_FILE.exists() else ""
+        BENCHMARKS_FILE.write_text(replace_section(old, body))
 
 
 if __name__ == "__main__":
