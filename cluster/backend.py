@@ -15,7 +15,11 @@ from cluster.types import ClusterStatus, GenerateDelta, GenerateRequest
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """The two calls a frontend makes. A Hugging Face tokenizer fits as is."""
+    """The two calls a frontend makes. A Hugging Face tokenizer fits as is.
+
+    The HTTP frontend also calls ``decode([token_id])``, when the tokenizer
+    has it, for the token text in OpenAI logprobs (``token_id:<id>`` otherwise).
+    """
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS if it uses one."""
@@ -47,7 +51,10 @@ class Backend(Protocol):
           exception is a failure of the cluster.
         - The last delta, and only it, has ``finish_reason`` set; a request
           that fails after starting ends with ``FinishReason.ERROR`` and
-          ``error`` set, or raises.
+          ``error`` set, or raises. The last delta may carry the stage-side
+          timings as ``stage_metrics`` (`cluster.types.StageMetrics`) for
+          the Prometheus metrics, and, when ``request.timeline`` is set, the
+          request's phases as ``timeline`` (`cluster.types.RequestTimeline`).
         - If the consumer stops early (``aclose()``), the request is aborted
           and everything it held is freed.
         """
@@ -60,3 +67,9 @@ class Backend(Protocol):
     async def status(self) -> ClusterStatus:
         """Replicas, their load and KV usage, and the admission queue's length."""
         ...
+
+    # Optional, not part of the protocol (the gRPC Profile RPC answers
+    # UNIMPLEMENTED without it):
+    #   async def profile(self, seconds: float, out_dir: str) -> list[ProfileTrace]
+    # records a profiler window of ``seconds`` on every replica and returns the
+    # Chrome traces they wrote, each on its replica's host.

@@ -6,6 +6,7 @@
     kvrelay chat                            an interactive chat keeping history
     kvrelay status                          replicas, load and KV usage
     kvrelay models                          the served model
+    kvrelay profile --seconds 5 --out /tmp/kvrelay-traces   a profiler window on every replica
     kvrelay bench --rates 1,2,4 --out runs/x  a serving benchmark (`cluster.bench`)
     kvrelay bench compare a.json b.json     two benchmark results side by side
     kvrelay bench-engine --write            engine.LLM vs transformers in one process (`engine.bench`)
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="the served model")
     _client_args(p)
 
+    p = sub.add_parser("profile", help="record a profiler window on every replica (Chrome traces)",
+                       description="Each replica writes <out>/<replica>-<time>.json on its own host "
+                                   "(open in chrome://tracing or Perfetto).")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of the window (default 5)")
+    p.add_argument("--out", required=True, help="folder for the traces, on each replica's host")
+    _client_args(p)
+
     from cluster.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -103,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cluster.client import KVRelayError
 
     try:
-        return {"generate": _generate, "chat": _chat, "status": _status, "models": _models}[args.command](args)
+        return {"generate": _generate, "chat": _chat, "status": _status, "models": _models,
+                "profile": _profile}[args.command](args)
     except KVRelayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -220,6 +229,14 @@ def _models(args: argparse.Namespace) -> int:
     with _client(args) as client:
         for m in client.list_models():
             print(f"{m.id}\tcontext {m.max_model_len}\tvocab {m.vocab_size}")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        traces = client.profile(args.seconds, args.out)
+    for t in traces:
+        print(f"{t.replica_id or '-'}\t{t.host or '-'}\t{t.path}")
     return 0
 
 

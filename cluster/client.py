@@ -18,7 +18,8 @@ from typing import Any
 
 import grpc
 
-from cluster.types import ClusterStatus, FinishReason, ReplicaStatus, Stage, TokenLogprob
+from cluster.types import (ClusterStatus, FinishReason, ProfileTrace, ReplicaStatus, RequestTimeline, Stage,
+                           TokenLogprob)
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
 
@@ -56,6 +57,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # on the last chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    timeline: RequestTimeline | None = None  # on the last chunk, when asked for (timeline=True)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Completion:
     finish_reason: FinishReason | None
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    timeline: RequestTimeline | None = None  # when asked for (timeline=True)
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,9 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  logprobs: int | None = None) -> pb.GenerateRequest:
-    """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults."""
+                  logprobs: int | None = None, timeline: bool = False) -> pb.GenerateRequest:
+    """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
+    ``timeline``: ask for the request's `RequestTimeline` on the last chunk."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
@@ -89,7 +93,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                 "min_p": min_p, "seed": seed, "logprobs": logprobs}
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                  **{k: v for k, v in optional.items() if v is not None})
-    req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling)
+    req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling, timeline=timeline)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
@@ -109,15 +113,19 @@ def _chunk(resp: pb.GenerateResponse) -> Chunk:
     if resp.HasField("usage"):
         u = resp.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    timeline = None
+    if resp.HasField("timeline"):
+        t = resp.timeline
+        timeline = RequestTimeline(**{k: getattr(t, k) for k in RequestTimeline.PHASES if t.HasField(k)})
     return Chunk(resp.request_id, resp.text, list(resp.token_ids), _FINISH.get(resp.finish_reason), usage,
                  [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                  for lp in resp.logprobs])
+                  for lp in resp.logprobs], timeline)
 
 
 class _Collector:
     def __init__(self):
         self.request_id, self.text, self.token_ids, self.logprobs = "", [], [], []
-        self.finish_reason, self.usage = None, Usage()
+        self.finish_reason, self.usage, self.timeline = None, Usage(), None
 
     def add(self, c: Chunk) -> None:
         self.request_id = c.request_id
@@ -128,16 +136,24 @@ class _Collector:
             self.finish_reason = c.finish_reason
         if c.usage is not None:
             self.usage = c.usage
+        if c.timeline is not None:
+            self.timeline = c.timeline
 
     def result(self) -> Completion:
         return Completion(self.request_id, "".join(self.text), self.token_ids, self.finish_reason, self.usage,
-                          self.logprobs)
+                          self.logprobs, self.timeline)
 
 
 def _status(resp: pb.GetStatusResponse) -> ClusterStatus:
     return ClusterStatus(resp.model, resp.mode, tuple(
         ReplicaStatus(r.replica_id, Stage(r.stage), r.alive, r.running_seqs, r.queued_prefill_tokens,
                       r.in_flight, r.free_blocks, r.total_blocks) for r in resp.replicas), resp.waiting)
+
+
+def _traces(resp: pb.ProfileResponse) -> list[ProfileTrace]:
+    if resp.traces:
+        return [ProfileTrace(t.replica_id, t.host, t.path) for t in resp.traces]
+    return [ProfileTrace("", "", p) for p in resp.trace_files]
 
 
 def _credentials(root_certificates: str | Path | None) -> grpc.ChannelCredentials:
@@ -197,6 +213,16 @@ class KVRelayClient(_Base):
             raise KVRelayError.from_rpc_error(e) from None
         return _status(resp)
 
+    def profile(self, seconds: float, out_dir: str) -> list[ProfileTrace]:
+        """Profile every replica for ``seconds``; the Chrome traces they wrote
+        (each on its replica's host). The call lasts ``seconds`` plus the export."""
+        try:
+            resp = self._stub.Profile(pb.ProfileRequest(seconds=seconds, out_dir=out_dir),
+                                      metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise KVRelayError.from_rpc_error(e) from None
+        return _traces(resp)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -251,6 +277,14 @@ class AsyncKVRelayClient(_Base):
         except grpc.RpcError as e:
             raise KVRelayError.from_rpc_error(e) from None
         return _status(resp)
+
+    async def profile(self, seconds: float, out_dir: str) -> list[ProfileTrace]:
+        try:
+            resp = await self._stub.Profile(pb.ProfileRequest(seconds=seconds, out_dir=out_dir),
+                                            metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise KVRelayError.from_rpc_error(e) from None
+        return _traces(resp)
 
     async def close(self) -> None:
         await self._channel.close()

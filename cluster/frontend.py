@@ -3,8 +3,9 @@
 A Generate call: authenticate (``authorization: Bearer <key>`` when keys are
 configured) → check the model → tokenize (text, or chat messages through the
 chat template, or token ids as given) → validate (`cluster.validation`) →
-stream the backend's deltas. If the client goes away, or the call fails, the
-request is aborted in the backend. Errors map to status codes:
+stream the backend's deltas (`cluster.serving.run_request`, which also records
+the metrics). If the client goes away, or the call fails, the request is
+aborted in the backend. Errors map to status codes:
 
     InvalidRequestError → INVALID_ARGUMENT     OverloadedError → RESOURCE_EXHAUSTED
     missing/wrong key   → UNAUTHENTICATED      anything else   → UNAVAILABLE
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import uuid
 from pathlib import Path
@@ -26,9 +26,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.backend import Backend
+from cluster.metrics import ServingMetrics
+from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.spec import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
-                           NoReplicaError, OverloadedError)
+                           NoReplicaError, OverloadedError, RequestTimeline)
 from cluster.validation import check_model, check_request_id, validate_request
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
@@ -36,31 +38,34 @@ from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
+MAX_PROFILE_S = 600.0
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
 
 class KVRelayServicer(pb_grpc.KVRelayServicer):
-    def __init__(self, backend: Backend, api_keys: tuple[str, ...] = ()):
+    def __init__(self, backend: Backend, api_keys: tuple[str, ...] = (), metrics: ServingMetrics | None = None):
         self.backend = backend
-        self._api_keys = tuple(k.encode() for k in api_keys)
+        self._api_keys = ApiKeys(api_keys)
+        self.metrics = metrics if metrics is not None else ServingMetrics()
         self._active: set[str] = set()
 
     # ---- RPCs ----------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._authenticate(context)
+        await self._authenticate(context, count_refusal=True)
         try:
             req = self._to_request(request)
         except InvalidRequestError as e:
+            self.metrics.count_rejected("grpc", "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.request_id in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {req.request_id!r} is already running")
         self._active.add(req.request_id)
         failure: tuple[grpc.StatusCode, str] | None = None
-        finished = False
         try:
             num_generated = 0
-            async with contextlib.aclosing(self.backend.generate(req)) as deltas:
+            running = run_request(self.backend, req, self.metrics.start_request("grpc", req))
+            async with contextlib.aclosing(running) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason is FinishReason.ERROR:
                         failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {delta.error or 'unknown error'}")
@@ -68,10 +73,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                     num_generated += len(delta.token_ids)
                     await context.write(self._to_response(delta, req, num_generated))
                     if delta.finish_reason is not None:
-                        finished = True
                         break
-            if not finished and failure is None:
-                failure = (grpc.StatusCode.UNAVAILABLE, "the backend ended the stream without finishing the request")
         except OverloadedError as e:
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NoReplicaError as e:
@@ -86,8 +88,6 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {type(e).__name__}: {e}")
         finally:
             self._active.discard(req.request_id)
-            if not finished:
-                await asyncio.shield(self._abort(req.request_id))
         if failure is not None:
             await context.abort(*failure)
 
@@ -106,18 +106,32 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"status failed: {type(e).__name__}: {e}")
         return status_to_proto(status)
 
+    async def Profile(self, request: pb.ProfileRequest, context: grpc.aio.ServicerContext) -> pb.ProfileResponse:
+        await self._authenticate(context)
+        profile = getattr(self.backend, "profile", None)
+        if profile is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this backend does not profile")
+        if not 0 < request.seconds <= MAX_PROFILE_S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"seconds: must be in (0, {MAX_PROFILE_S:g}]")
+        if not request.out_dir:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_dir: must not be empty")
+        try:
+            traces = await profile(request.seconds, request.out_dir)
+        except Exception as e:
+            log.exception("profile failed")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"profile failed: {type(e).__name__}: {e}")
+        return pb.ProfileResponse(trace_files=[t.path for t in traces], traces=[
+            pb.ProfileTrace(replica_id=t.replica_id, host=t.host, path=t.path) for t in traces])
+
     # ---- helpers -------------------------------------------------------------
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, count_refusal: bool = False) -> None:
         if not self._api_keys:
             return
-        header = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
-        # Compare against every key so the time taken says nothing about which matched.
-        matches = [hmac.compare_digest(key.strip().encode(), k) for k in self._api_keys]
-        if not any(matches):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        problem = self._api_keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
+        if problem is not None:
+            if count_refusal:
+                self.metrics.count_rejected("grpc", "unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     def _to_request(self, request: pb.GenerateRequest) -> GenerateRequest:
         b = self.backend
@@ -126,17 +140,10 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             check_request_id(request.request_id)
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            if not request.text:
-                raise InvalidRequestError("prompt", "must not be empty")
-            token_ids = list(b.tokenizer.encode(request.text))
+            token_ids = encode_text(b.tokenizer, request.text)
         elif kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise InvalidRequestError("chat", "must hold at least one message")
-            if any(not m["role"] for m in messages):
-                raise InvalidRequestError("chat", "every message needs a role")
-            text = b.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            token_ids = list(b.tokenizer.encode(text, add_special_tokens=False))
+            token_ids = encode_chat(b.tokenizer, messages, field="chat")
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
         else:
@@ -149,7 +156,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
         )
-        return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling)
+        return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
+                               timeline=request.timeline)
 
     @staticmethod
     def _to_response(delta: GenerateDelta, req: GenerateRequest, num_generated: int) -> pb.GenerateResponse:
@@ -163,13 +171,13 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             resp.finish_reason = _FINISH[delta.finish_reason]
             resp.usage.CopyFrom(pb.Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=num_generated,
                                          cached_prompt_tokens=delta.num_cached_tokens))
+            if req.timeline and delta.timeline is not None:
+                resp.timeline.CopyFrom(timeline_to_proto(delta.timeline))
         return resp
 
-    async def _abort(self, request_id: str) -> None:
-        try:
-            await self.backend.abort(request_id)
-        except Exception:
-            log.exception("abort of request %s failed", request_id)
+
+def timeline_to_proto(t: RequestTimeline) -> pb.RequestTimeline:
+    return pb.RequestTimeline(**t.phases())
 
 
 def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
@@ -186,9 +194,9 @@ def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
 class GrpcFrontend:
     """An asyncio gRPC server: the KVRelay service, health and reflection."""
 
-    def __init__(self, backend: Backend, config: FrontendConfig):
+    def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
         self.config = config
-        self.servicer = KVRelayServicer(backend, config.api_keys)
+        self.servicer = KVRelayServicer(backend, config.api_keys, metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -80,6 +80,13 @@ class StageSpec(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
 
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp_supported(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"tensor parallelism is not supported yet (got {v}); use 1 and more replicas")
+        return v
+
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
@@ -222,6 +229,17 @@ def _read_file(path: str, filename: str) -> str:
         raise SpecError([f"{path}: cannot read {filename}: {e.strerror or e}"]) from None
 
 
+class ProfileSpec(_Strict):
+    """A profiler window on every replica once the cluster serves: each writes
+    a Chrome trace ``<dir>/<replica>-<time>.json`` on its own host (the paths
+    are logged). For windows on demand, use the Profile RPC (`kvrelay profile`)."""
+
+    dir: str = Field(min_length=1)
+    seconds: float = Field(gt=0, le=600)
+    delay_s: float = Field(0.0, ge=0)  # wait this long after startup (e.g. for a load generator to start)
+    with_stack: bool = False  # record Python stacks too (larger traces, slower)
+
+
 class RaySpec(_Strict):
     address: str | None = None  # None: join the cluster of `ray job submit`, else start a local one
     namespace: str = "kvrelay"
@@ -239,6 +257,7 @@ class Spec(_Strict):
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    profile: ProfileSpec | None = None  # None: no profile at startup
 
     @model_validator(mode="after")
     def _sections_match_mode(self) -> "Spec":
@@ -356,6 +375,14 @@ class FrontendConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    out_dir: str
+    seconds: float
+    delay_s: float = 0.0
+    with_stack: bool = False
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str
     dtype: str
@@ -366,6 +393,7 @@ class ClusterConfig:
     frontend: FrontendConfig
     ray_address: str | None
     ray_namespace: str
+    profile: ProfileConfig | None = None  # a profiler window at startup
 
 
 def split_spec(spec: Spec) -> ClusterConfig:
@@ -396,5 +424,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
         api_keys=tuple(spec.auth.resolve_api_keys()),
     )
+    p = spec.profile
+    profile = ProfileConfig(p.dir, p.seconds, p.delay_s, p.with_stack) if p is not None else None
     return ClusterConfig(spec.model, spec.dtype, spec.mode, stages, transfer, router, frontend,
-                         spec.ray.address, spec.ray.namespace)
+                         spec.ray.address, spec.ray.namespace, profile)

@@ -54,6 +54,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    timeline: bool = False  # return a RequestTimeline on the last delta
+    arrival_wall_time: float = field(default_factory=time.time)  # the timeline's zero
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +67,66 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    """Stage-side timings of one request, carried on its last `GenerateDelta`.
+
+    The backend fills what it measured and leaves the rest None (a colocated
+    replica has no transfer; a backend that measures nothing sends no
+    `StageMetrics` at all). `cluster.metrics` turns them into histograms and
+    counters.
+
+    - ``queue_time_s``: arrival at the router until a replica started the
+      prompt (admission queue plus the replica's waiting queue).
+    - ``prefill_time_s``: first prompt chunk scheduled until the first token.
+    - ``kv_transfer_time_s``: first KV block sent until the decode replica had
+      every layer.
+    - ``kv_transfer_bytes``: KV bytes moved for the request (retries included).
+    - ``num_kv_transfer_failures``: transfers that ended FAILED, retried or not.
+    """
+
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
+    kv_transfer_time_s: float | None = None
+    kv_transfer_bytes: int = 0
+    num_kv_transfer_failures: int = 0
+
+
+@dataclass(frozen=True)
+class RequestTimeline:
+    """When a request passed each phase, in seconds after it arrived at the
+    frontend; None where the phase did not happen here or was not measured.
+
+    The stamps are ``time.time()`` taken in each process (frontend, prefill
+    and decode replicas), so they compare across processes on one host;
+    across hosts they are off by the difference of the hosts' clocks.
+    """
+
+    routed_s: float | None = None  # the router placed it
+    prefill_queued_s: float | None = None  # it entered the prefill (or colocated) replica's queue
+    prefill_start_s: float | None = None  # its first prompt chunk was scheduled
+    prefill_end_s: float | None = None  # prompt computed, first token sampled
+    kv_transfer_done_s: float | None = None  # the decode replica had every layer (disaggregated)
+    first_decode_step_s: float | None = None  # the first decode step after the first token
+    finish_s: float | None = None  # the last delta reached the backend
+
+    PHASES = ("routed_s", "prefill_queued_s", "prefill_start_s", "prefill_end_s", "kv_transfer_done_s",
+              "first_decode_step_s", "finish_s")
+
+    def phases(self) -> dict[str, float]:
+        """The phases that are set, in order."""
+        return {k: getattr(self, k) for k in self.PHASES if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class ProfileTrace:
+    """A Chrome trace one replica wrote for a profile window, on its own host."""
+
+    replica_id: str
+    host: str
+    path: str
 
 
 @dataclass
@@ -84,6 +146,8 @@ class GenerateDelta:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (final delta)
     error: str | None = None  # set with FinishReason.ERROR
+    stage_metrics: StageMetrics | None = None  # optional, on the last delta only
+    timeline: RequestTimeline | None = None  # on the last delta, when the request asked for it
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ def paged_attention(
             kp, vp = _gather(kv_cache, p.block_table)
             kp, vp = kp[: p.context_len], vp[: p.context_len]
             # query i sits at position num_cached + i and sees keys 0..num_cached+i
-            qpos = torch.arange(p.num_cached, p.context_len).unsqueeze(1)
-            mask = torch.arange(p.context_len).unsqueeze(0) <= qpos  # [n, ctx]
+            qpos = torch.arange(p.num_cached, p.context_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(p.context_len, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
             causal = False
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),

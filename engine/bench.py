@@ -175,10 +175,12 @@ token: transformers / kvrelay).
 
 
 def replace_section(text: str, new_section: str) -> str:
-    """`text` with its `## Engine` section (up to the next `## ` heading)
-    replaced by `new_section`, or with `new_section` appended."""
+    """`text` with the section named by `new_section`'s first line (a `## `
+    heading; up to the next `## ` heading) replaced by it, or with it appended.
+    Every benchmark script writes its own section of BENCHMARKS.md this way."""
     new_section = new_section.rstrip("\n") + "\n"
-    m = re.search(rf"^{re.escape(SECTION)}[ \t]*$", text, flags=re.M)
+    heading = new_section.split("\n", 1)[0].strip()
+    m = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.M)
     if m is None:
         if not text.strip():
             return "# Benchmarks\n\n" + new_section

@@ -3,6 +3,7 @@ execute → update. Used by the offline LLM and by both serving stages."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +13,9 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
 from engine.kv_manager import KVCacheManager
 from engine.model import LayerHook, LlamaModel
+from engine.profiling import SCHEDULE, UPDATE, phase
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -92,6 +94,7 @@ class EngineCore:
         """Admit a sequence whose prompt KV is already in ``seq.block_ids`` and
         whose first token is in ``seq.output_token_ids`` (decode stage)."""
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.metrics.first_token_time = seq.metrics.kv_ready_time = time.monotonic()
         if not seq.eos_token_ids:
             seq.eos_token_ids = self.eos_token_ids
         self._seqs[seq.request_id] = seq
@@ -112,19 +115,41 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def load(self) -> dict:
+        """What a replica reports to the router."""
+        return {
+            "num_queued_prefill_tokens": self.scheduler.num_queued_prefill_tokens(),
+            "num_running_seqs": len(self.scheduler.running),
+            "num_waiting_seqs": len(self.scheduler.waiting),
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_total_blocks": self.pool.num_blocks,
+        }
+
     # ---- the loop ------------------------------------------------------
-    def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
+    def step(self, on_batch: Callable[[SchedulerOutput], LayerHook | None] | None = None) -> list[StepOutput]:
+        """One schedule → execute → update round. ``on_batch`` sees the scheduled
+        batch before the forward pass and may return a per-layer hook (the
+        prefill stage starts KV sends there)."""
+        with phase(SCHEDULE):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        layer_hook = on_batch(sched) if on_batch is not None else None
         sampled = self.runner.execute(sched.scheduled, layer_hook)
         self.num_steps += 1
         now = time.monotonic()
         outputs = []
-        for seq in self.scheduler.update(sched, sampled):
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if seq.is_finished:
-                self._seqs.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
+        with phase(UPDATE):
+            for seq in self.scheduler.update(sched, sampled):
+                m = seq.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                elif m.first_decode_time is None:
+                    m.first_decode_time = now
+                if seq.is_finished:
+                    self._seqs.pop(seq.request_id, None)
+                outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
         return outputs

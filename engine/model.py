@@ -67,7 +67,8 @@ class LlamaModel:
     """Weights as plain tensors; no nn.Module machinery on the hot path."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: str | torch.device = "cpu", max_positions: int | None = None):
+                 device: str | torch.device = "cpu", max_positions: int | None = None,
+                 use_kernels: bool = True):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -113,6 +114,9 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        from engine.kernels import make_linear
+
+        self.linear = make_linear(dtype, self.device, enable=use_kernels)
 
     @torch.no_grad()
     def forward(
@@ -130,10 +134,13 @@ class LlamaModel:
         cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rotary.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        residual = x
+        linear = self.linear
         for i, L in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), L.in_norm, eps)
-            qkv = F.linear(h, L.qkv_w, L.qkv_b).view(T, nh + 2 * nkv, hd)
+            qkv = linear(h, L.qkv_w)
+            if L.qkv_b is not None:
+                qkv = qkv + L.qkv_b
+            qkv = qkv.view(T, nh + 2 * nkv, hd)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv:]
             if L.q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), L.q_norm, eps),
@@ -143,17 +150,15 @@ class LlamaModel:
             attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale)  # [T, nh, hd]
             if layer_hook is not None:
                 layer_hook(i)
-            x = residual + F.linear(attn.view(T, self.q_size), L.o_w)
-            residual = x
+            x = x + linear(attn.view(T, self.q_size), L.o_w)
             h = F.rms_norm(x, (x.shape[-1],), L.post_norm, eps)
-            gate, up = F.linear(h, L.gate_up_w).chunk(2, dim=-1)
-            x = residual + F.linear(F.silu(gate) * up, L.down_w)
-            residual = x
+            gate, up = linear(h, L.gate_up_w).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, L.down_w)
         return F.rms_norm(x, (x.shape[-1],), self.norm, eps)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
 
 
 class _WeightTaker:

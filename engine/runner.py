@@ -5,6 +5,7 @@ import torch
 
 from engine.attention import BatchMetadata, PrefillChunk
 from engine.model import LayerHook, LlamaModel
+from engine.profiling import FORWARD, SAMPLE, phase
 from engine.sampling import Sampler
 from engine.scheduler import ScheduledSeq
 
@@ -74,12 +75,14 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> dict[str, tuple[int, dict | None]]:
         """Run one forward pass; returns {request_id: (token, logprobs)} for sampling sequences."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
+        with phase(FORWARD):
+            input_ids, positions, meta, sample_rows = self.prepare(batch)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
         samplers = [s for s in batch if s.samples]
         if not samplers:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens, infos = self.sampler(
-            logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
+        with phase(SAMPLE):
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens, infos = self.sampler(
+                logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

@@ -98,7 +98,9 @@ class Sampler:
     tokens whatever else shares its batch."""
 
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
-        self.generator = torch.Generator(device=device)
+        # random draws happen on the CPU (per-request generators live there),
+        # so a seed gives the same tokens on any device
+        self.generator = torch.Generator()
         self.generator.manual_seed(seed)
 
     def __call__(
@@ -109,6 +111,8 @@ class Sampler:
     ) -> tuple[list[int], list[dict | None]]:
         tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
         want_logprobs = any(p.logprobs is not None for p in params)
+        if want_logprobs or not all(p.is_greedy for p in params):
+            logits = logits.cpu()
         logprobs_all = logits.log_softmax(-1) if want_logprobs else None
         for i, p in enumerate(params):
             if p.is_greedy:

@@ -37,11 +37,22 @@ class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    kv_ready_time: float | None = None  # decode stage: the prompt's KV (and first token) arrived
+    first_decode_time: float | None = None  # the first step after the first token
     finished_time: float | None = None
     num_preemptions: int = 0
 
+    def wall_times(self) -> dict[str, float]:
+        """The stamps that are set, as wall-clock times (``time.time()``), to
+        compare with stamps from other processes on the same host."""
+        offset = time.time() - time.monotonic()
+        stamps = {"arrival": self.arrival_time, "first_scheduled": self.first_scheduled_time,
+                  "first_token": self.first_token_time, "kv_ready": self.kv_ready_time,
+                  "first_decode": self.first_decode_time, "finished": self.finished_time}
+        return {k: v + offset for k, v in stamps.items() if v is not None}
+
     def as_dict(self) -> dict:
-        d = {"num_preemptions": self.num_preemptions}
+        d = {"num_preemptions": self.num_preemptions, "wall_times": self.wall_times()}
         if self.first_scheduled_time is not None:
             d["queue_time"] = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:

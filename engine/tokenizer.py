@@ -69,7 +69,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str:
         """The prompt text for a conversation, per the checkpoint's chat template."""
         if not getattr(self._tok, "chat_template", None):
             raise TokenizerError(

@@ -18,8 +18,9 @@ from tokenizers.processors import TemplateProcessing
 
 from cluster.frontend import GrpcFrontend
 from cluster.spec import FrontendConfig
-from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, OverloadedError,
-                           ReplicaStatus, Stage, TokenLogprob)
+from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError,
+                           OverloadedError, ProfileTrace, ReplicaStatus, RequestTimeline, Stage, StageMetrics,
+                           TokenLogprob)
 
 WORDS = "<unk> <s> </s> <|system|> <|user|> <|assistant|> hello world the cat sat on a mat".split()
 
@@ -59,14 +60,18 @@ class EchoBackend:
     def reset(self):
         self.delay_s = 0.0
         self.overloaded = False
+        self.no_replica = False  # every replica dead: generate raises NoReplicaError, status shows none alive
         self.fail_after: int | None = None  # raise after this many deltas
         self.requests: list[GenerateRequest] = []
         self.running: set[str] = set()
         self.aborted: list[str] = []
+        self.profiles: list[tuple[float, str]] = []
 
     async def generate(self, req: GenerateRequest):
         if self.overloaded:
             raise OverloadedError("all replicas are busy (test)")
+        if self.no_replica:
+            raise NoReplicaError("no live colocated replica (test)")
         self.requests.append(req)
         self.running.add(req.request_id)
         try:
@@ -83,17 +88,27 @@ class EchoBackend:
                 logprobs = None
                 if req.sampling.logprobs is not None:
                     logprobs = [TokenLogprob(tok, -0.5, tuple((t, -1.0 - t) for t in range(req.sampling.logprobs)))]
+                stage_metrics = StageMetrics(0.001, 0.002, 0.003, 4096) if last else None
+                timeline = None
+                if last and req.timeline:
+                    timeline = RequestTimeline(routed_s=0.001, prefill_end_s=0.01, finish_s=0.02)
                 yield GenerateDelta(req.request_id, [tok], self.tokenizer.decode([tok]) + " ", finish, logprobs,
-                                    num_cached_tokens=2 if last else 0)
+                                    num_cached_tokens=2 if last else 0, stage_metrics=stage_metrics,
+                                    timeline=timeline)
         finally:
             self.running.discard(req.request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    async def profile(self, seconds: float, out_dir: str) -> list[ProfileTrace]:
+        self.profiles.append((seconds, out_dir))
+        return [ProfileTrace("c0", "host-a", f"{out_dir}/c0-1.json")]
+
     async def status(self) -> ClusterStatus:
         return ClusterStatus("echo", "colocated", (
-            ReplicaStatus("c0", Stage.COLOCATED, True, len(self.running), 0, len(self.running), 75, 100),
+            ReplicaStatus("c0", Stage.COLOCATED, not self.no_replica, len(self.running), 0, len(self.running), 75,
+                          100),
             ReplicaStatus("c1", Stage.COLOCATED, False),
         ), num_waiting=0)
 

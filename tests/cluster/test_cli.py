@@ -84,3 +84,18 @@ def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+def test_profile_command(served, capsys, tmp_path):
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["profile", "--seconds", "1.5", "--out", "/tmp/t", "--target", "h:1"])
+    assert (args.command, args.seconds, args.out, args.target) == ("profile", 1.5, "/tmp/t", "h:1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["profile", "--seconds", "1"])  # --out is required
+
+    assert main(["profile", "--seconds", "0.5", "--out", str(tmp_path), "--target", served.target]) == 0
+    assert capsys.readouterr().out == f"c0\thost-a\t{tmp_path}/c0-1.json\n"
+    assert served.backend.profiles == [(0.5, str(tmp_path))]
+    assert main(["profile", "--seconds", "0", "--out", str(tmp_path), "--target", served.target]) == 1
+    assert "INVALID_ARGUMENT: seconds: must be in" in capsys.readouterr().err

@@ -36,6 +36,29 @@ def test_generate_streams_tokens_and_usage(served):
     assert result.text == "<s> hello world " and result.request_id
 
 
+def test_timeline_only_when_asked(served):
+    with KVRelayClient(served.target) as client:
+        plain = client.generate("hello world", max_tokens=2)
+        chunks = list(client.stream("hello world", max_tokens=2, timeline=True))
+    assert plain.timeline is None and not served.backend.requests[0].timeline
+    assert served.backend.requests[1].timeline
+    assert all(c.timeline is None for c in chunks[:-1])
+    t = chunks[-1].timeline
+    assert t.phases() == {"routed_s": pytest.approx(0.001), "prefill_end_s": pytest.approx(0.01),
+                          "finish_s": pytest.approx(0.02)}
+
+
+def test_profile_rpc(served, tmp_path):
+    with KVRelayClient(served.target) as client:
+        traces = client.profile(0.25, str(tmp_path))
+        assert [(t.replica_id, t.host, t.path) for t in traces] == [("c0", "host-a", f"{tmp_path}/c0-1.json")]
+        for seconds, out, field in ((0, "d", "seconds"), (601, "d", "seconds"), (1, "", "out_dir")):
+            with pytest.raises(KVRelayError) as e:
+                client.profile(seconds, out)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.message
+    assert served.backend.profiles == [(0.25, str(tmp_path))]
+
+
 def test_sampling_params_reach_the_backend(served):
     with KVRelayClient(served.target) as client:
         client.generate(token_ids=[6, 7], max_tokens=2, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1, seed=7,

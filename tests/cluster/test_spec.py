@@ -96,6 +96,16 @@ def test_colocated_split_has_one_stage():
     assert cfg.stages[Stage.COLOCATED].num_replicas == 2
 
 
+def test_profile_at_startup():
+    assert split_spec(Spec.model_validate({})).profile is None
+    config = split_spec(Spec.model_validate({"profile": {"dir": "/tmp/t", "seconds": 2}})).profile
+    assert (config.out_dir, config.seconds, config.delay_s, config.with_stack) == ("/tmp/t", 2, 0, False)
+    found = problems({"profile": {"dir": "", "seconds": 0, "every": 1}})
+    assert "profile.seconds: must be > 0, got 0" in found and "profile.every: unknown field" in found
+    assert any(p.startswith("profile.dir:") for p in found)
+    assert problems({"profile": {"dir": "/tmp/t"}}) == ["profile.seconds: required field is missing"]
+
+
 def test_secrets_resolve_from_env_and_file(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("# clients\nalpha\n\nbeta\n")

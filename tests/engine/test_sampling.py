@@ -165,10 +165,10 @@ def _allowed(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: fl
                 maybe.add(i)
             kept.add(i)
             cum += q[i]
-        # tokens tied with the last one kept may be kept instead of it (sort order of ties)
-        cutoff = min(q[i] for i in kept)
-        ties = {i for i in keep - kept if q[i] >= cutoff * (1 - eps)}
-        maybe |= ties | {i for i in kept if q[i] <= cutoff * (1 + eps)}
+        # tokens tied (to rounding) with the last kept one may be kept instead of it
+        low = min(q[i] for i in kept)
+        ties = {i for i in keep if abs(q[i] - low) <= eps * total}
+        maybe |= ties
         keep = kept | ties
     return keep - maybe, keep
 

@@ -63,20 +63,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "request_id")
+    __slots__ = ("model", "text", "chat", "token_ids", "sampling", "request_id", "timeline")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatMessages
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    timeline: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeline: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -107,20 +109,66 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "timeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    timeline: RequestTimeline
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timeline: _Optional[_Union[RequestTimeline, _Mapping]] = ...) -> None: ...
+
+class RequestTimeline(_message.Message):
+    __slots__ = ("routed_s", "prefill_queued_s", "prefill_start_s", "prefill_end_s", "kv_transfer_done_s", "first_decode_step_s", "finish_s")
+    ROUTED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_END_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_DONE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_S_FIELD_NUMBER: _ClassVar[int]
+    routed_s: float
+    prefill_queued_s: float
+    prefill_start_s: float
+    prefill_end_s: float
+    kv_transfer_done_s: float
+    first_decode_step_s: float
+    finish_s: float
+    def __init__(self, routed_s: _Optional[float] = ..., prefill_queued_s: _Optional[float] = ..., prefill_start_s: _Optional[float] = ..., prefill_end_s: _Optional[float] = ..., kv_transfer_done_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., finish_s: _Optional[float] = ...) -> None: ...
+
+class ProfileRequest(_message.Message):
+    __slots__ = ("seconds", "out_dir")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    out_dir: str
+    def __init__(self, seconds: _Optional[float] = ..., out_dir: _Optional[str] = ...) -> None: ...
+
+class ProfileTrace(_message.Message):
+    __slots__ = ("replica_id", "host", "path")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    host: str
+    path: str
+    def __init__(self, replica_id: _Optional[str] = ..., host: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ProfileResponse(_message.Message):
+    __slots__ = ("trace_files", "traces")
+    TRACE_FILES_FIELD_NUMBER: _ClassVar[int]
+    TRACES_FIELD_NUMBER: _ClassVar[int]
+    trace_files: _containers.RepeatedScalarFieldContainer[str]
+    traces: _containers.RepeatedCompositeFieldContainer[ProfileTrace]
+    def __init__(self, trace_files: _Optional[_Iterable[str]] = ..., traces: _Optional[_Iterable[_Union[ProfileTrace, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

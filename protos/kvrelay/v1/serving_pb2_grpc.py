@@ -49,6 +49,11 @@ class KVRelayStub:
                 request_serializer=kvrelay_dot_v1_dot_serving__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_serving__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/kvrelay.v1.KVRelay/Profile',
+                request_serializer=kvrelay_dot_v1_dot_serving__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_serving__pb2.ProfileResponse.FromString,
+                _registered_method=True)
 
 
 class KVRelayServicer:
@@ -76,6 +81,17 @@ class KVRelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Record a profiler window of `seconds` on every stage replica and return
+        where the Chrome traces were written. Each replica writes on its own
+        host: with replicas on several hosts, collect the files from each (see
+        `traces`). Only one window at a time; an operator call (writes files
+        on the servers), so give it to trusted clients only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVRelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +109,11 @@ def add_KVRelayServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvrelay_dot_v1_dot_serving__pb2.GetStatusRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_serving__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=kvrelay_dot_v1_dot_serving__pb2.ProfileRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_serving__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +197,33 @@ class KVRelay:
             '/kvrelay.v1.KVRelay/GetStatus',
             kvrelay_dot_v1_dot_serving__pb2.GetStatusRequest.SerializeToString,
             kvrelay_dot_v1_dot_serving__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.KVRelay/Profile',
+            kvrelay_dot_v1_dot_serving__pb2.ProfileRequest.SerializeToString,
+            kvrelay_dot_v1_dot_serving__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

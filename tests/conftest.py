@@ -1,4 +1,4 @@
-"""Fixtures shared by the engine tests."""
+"""Fixtures shared by every test package."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,3 +16,15 @@ def default_model_dir() -> Path:
     would ($KVRELAY_CACHE_DIR or ~/.cache/kvrelay), so later runs take about a second.
     """
     return resolve_model(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

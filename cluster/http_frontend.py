@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP frontend (aiohttp), beside the gRPC one.
+
+Endpoints:
+
+    POST /v1/completions        prompt: a string, a list of one string, or token ids
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                200 when every stage has a live replica, else 503 (no key needed)
+    GET  /metrics               Prometheus text (no key needed)
+
+A completion: authenticate (``Authorization: Bearer <key>`` when keys are
+configured) → parse the body (`cluster.openai_protocol`) → tokenize and
+validate (shared with gRPC) → run it (`cluster.serving.run_request`, which
+aborts on any early exit and records the metrics) → one JSON object, or
+server-sent events ``data: {...}`` ending ``data: [DONE]``. A streaming
+response starts only once the first delta is in, so a refusal still gets
+its status code. Errors use OpenAI's shape ``{"error": {message, type,
+param, code}}``:
+
+    400 bad input (param names the field)   401 missing or wrong key
+    404 unknown model or path               429 over capacity (OverloadedError)
+    503 no replica can serve (NoReplicaError)
+    500 the request failed inside the cluster; after a stream has started,
+        an ``data: {"error": ...}`` event instead
+
+An extension: ``"kvrelay_timeline": true`` in a completion body adds
+``"kvrelay_timeline": {"routed_s": ..., "prefill_start_s": ..., ...}`` to the
+response (streamed: to the chunk with the finish reason), the request's
+phases in seconds after it arrived (`cluster.types.RequestTimeline`; wall
+clocks per process, so across hosts it is off by their clocks' difference).
+
+If the client disconnects, the handler is cancelled (or its next write
+fails) and the request is aborted in the backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from cluster import openai_protocol as oai
+from cluster.backend import Backend
+from cluster.metrics import CONTENT_TYPE, ServingMetrics
+from cluster.serving import ApiKeys, run_request
+from cluster.spec import FrontendConfig
+from cluster.types import (FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError, NoReplicaError,
+                           OverloadedError)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20  # a long prompt sent as token ids
+STATUS_TIMEOUT_S = 5.0  # /health and /metrics wait this long for backend.status()
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> web.Response:
+    return web.json_response(oai.error_body(message, type_, param, code), status=status, headers=headers)
+
+
+def _invalid(e: InvalidRequestError) -> web.Response:
+    if e.field == "model":
+        return _error(404, str(e), "invalid_request_error", "model", "model_not_found")
+    return _error(400, str(e), "invalid_request_error", e.field)
+
+
+def _failure_body(error: str | None) -> dict:
+    return oai.error_body(f"request failed: {error or 'unknown error'}", "server_error", code="request_failed")
+
+
+def _failed(error: str | None) -> web.Response:
+    """A request that failed inside the cluster, before its response started."""
+    return web.json_response(_failure_body(error), status=500)
+
+
+def _with_timeline(body: dict, req: GenerateRequest, delta: GenerateDelta) -> dict:
+    if req.timeline and delta.finish_reason is not None and delta.timeline is not None:
+        body["kvrelay_timeline"] = delta.timeline.phases()
+    return body
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, body too large) and bugs in OpenAI's shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
+    except Exception as e:  # a bug here: the client gets a 500 in OpenAI's shape, the log the trace
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+class HttpFrontend:
+    def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self._api_keys = ApiKeys(config.api_keys)
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._running: set[asyncio.Task] = set()  # handlers of generation requests
+        self.port: int | None = None
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.scrape)
+        return app
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (useful with http_port 0)."""
+        c = self.config
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+        # Handlers still running when `stop`'s grace is over are cancelled almost at once (aiohttp reads a
+        # shutdown_timeout of 0 as "no limit").
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.05)
+        await runner.setup()
+        ssl_context = None
+        if c.tls_cert_file:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+        site = web.TCPSite(runner, c.host, c.http_port or 0, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner, self._site = runner, site
+        self.port = runner.addresses[0][1]
+        log.info("kvrelay OpenAI HTTP frontend on %s:%d", c.host, self.port)
+        return self.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting, give running requests ``grace`` seconds, then cancel them (which aborts them)."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        await self._site.stop()
+        if self._running and grace:
+            await asyncio.wait(set(self._running), timeout=grace)
+        await runner.cleanup()
+
+    # ---- generation ------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.CompletionResponses)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.ChatResponses)
+
+    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+                        ) -> web.StreamResponse:
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            return await self._run(request, responses)
+        finally:
+            self._running.discard(task)
+
+    async def _run(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+                   ) -> web.StreamResponse:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            self.metrics.count_rejected("http", "unauthenticated")
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        try:
+            body = oai.parse_body(responses.body_type, await request.read())
+            req = oai.to_generate_request(body, self.backend, responses.id_prefix + uuid.uuid4().hex)
+        except InvalidRequestError as e:
+            self.metrics.count_rejected("http", "invalid_request")
+            return _invalid(e)
+        out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
+                        with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage)
+        running = run_request(self.backend, req, self.metrics.start_request("http", req))
+        async with contextlib.aclosing(running) as deltas:
+            try:
+                first = await anext(deltas)
+            except OverloadedError as e:
+                return _error(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+            except NoReplicaError as e:
+                return _error(503, str(e), "service_unavailable_error", code="no_replica",
+                              headers={"Retry-After": "1"})
+            except InvalidRequestError as e:
+                return _invalid(e)
+            except Exception as e:
+                log.exception("request %s failed", req.request_id)
+                return _failed(f"{type(e).__name__}: {e}")
+            if first.finish_reason is FinishReason.ERROR:
+                return _failed(first.error)
+            if body.stream:
+                return await self._stream(request, req, out, first, deltas)
+            return await self._collect(req, out, first, deltas)
+
+    @staticmethod
+    async def _collect(req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+                       first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
+        parts, lps, num_tokens, delta = [], [], 0, first
+        while True:
+            if delta.finish_reason is FinishReason.ERROR:
+                return _failed(delta.error)
+            parts.append(delta.text)
+            lps.extend(delta.logprobs or ())
+            num_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except Exception as e:
+                log.exception("request %s failed", req.request_id)
+                return _failed(f"{type(e).__name__}: {e}")
+        usage = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
+        return web.json_response(_with_timeline(out.response("".join(parts), delta.finish_reason, lps, usage),
+                                                req, delta))
+
+    @staticmethod
+    async def _stream(request: web.Request, req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+                      first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(data: dict | str) -> None:
+            text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            await response.write(f"data: {text}\n\n".encode())
+
+        num_tokens, delta, is_first = 0, first, True
+        try:
+            while True:
+                if delta.finish_reason is FinishReason.ERROR:
+                    await send(_failure_body(delta.error))
+                    break
+                num_tokens += len(delta.token_ids)
+                if delta.text or delta.logprobs or delta.finish_reason is not None or is_first:
+                    await send(_with_timeline(out.chunk(delta.text, delta.finish_reason, delta.logprobs or ()),
+                                              req, delta))
+                    is_first = False
+                if delta.finish_reason is not None:
+                    if out.include_usage:
+                        await send(out.usage_chunk(oai.usage(req.num_prompt_tokens, num_tokens,
+                                                             delta.num_cached_tokens)))
+                    break
+                try:
+                    delta = await anext(deltas)
+                except Exception as e:
+                    log.exception("request %s failed", req.request_id)
+                    await send(_failure_body(f"{type(e).__name__}: {e}"))
+                    break
+            await send("[DONE]")
+            await response.write_eof()
+        except ConnectionError:  # the client went away; leaving aclosing aborts the request
+            log.info("client of request %s disconnected", req.request_id)
+        return response
+
+    # ---- the rest --------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        b = self.backend
+        return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        b = self.backend
+        if request.match_info["model"] != b.model_name:
+            return _error(404, f"model: unknown model {request.match_info['model']!r}; this server serves "
+                               f"{b.model_name!r}", "invalid_request_error", "model", "model_not_found")
+        return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            status = await asyncio.wait_for(self.backend.status(), STATUS_TIMEOUT_S)
+        except Exception as e:
+            log.exception("status failed")
+            reason = f"status failed: {type(e).__name__}: {e}"
+            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        stages = {r.stage for r in status.replicas}
+        dead = sorted(s.value for s in stages if not any(r.is_alive for r in status.replicas if r.stage is s))
+        if not stages or dead:
+            reason = f"no live replica of stage {', '.join(dead)}" if dead else "no replicas"
+            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        await self.metrics.refresh(self.backend, STATUS_TIMEOUT_S)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,191 @@
+"""Starts a kvrelay deployment: Ray actors for each stage's replicas, the
+router, and the frontends. Ray appears here and nowhere else: the stages are
+plain classes that this module hosts.
+
+`kvrelay serve SPEC` starts a local Ray instance when no cluster address is
+given (spec `ray.address` or RAY_ADDRESS); under `ray job submit` it joins
+the running cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+
+from cluster.frontends import Frontends, serve_frontends
+from cluster.ray_backend import RayBackend
+from cluster.router import Router
+from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
+from cluster.types import Stage
+
+log = logging.getLogger(__name__)
+
+# Threaded actors: calls (reserve, stream, abort, load) arrive on Ray's
+# threads while the stage's own loop thread runs the engine.
+ACTOR_MAX_CONCURRENCY = 1000
+
+
+def _stage_class(stage: Stage):
+    if stage is Stage.PREFILL:
+        from prefill.stage import PrefillStage
+        return PrefillStage
+    from decode.stage import DecodeStage
+    return DecodeStage
+
+
+class Cluster:
+    """One deployment: actors + router + backend (+ frontends when served)."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.actors: dict[str, tuple[Stage, object]] = {}
+        self.backend: RayBackend | None = None
+        self.frontends: Frontends | None = None
+        self._started_ray = False
+        self._startup_profile: asyncio.Task | None = None
+        self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
+
+    # ---- actors ------------------------------------------------------------
+    def start_actors(self, ready_timeout_s: float = 300.0) -> None:
+        import ray
+
+        from engine.weights import resolve_model
+
+        cfg = self.config
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray_address, namespace=cfg.ray_namespace, log_to_driver=True)
+            self._started_ray = True
+        # Convert a GGUF once, here, so replicas don't race to do it.
+        self.model_dir = str(resolve_model(cfg.model))
+        secret = cfg.transfer.cluster_secret or secrets.token_hex(16)
+        transfer = {"backend": cfg.transfer.backend, "secret": secret, "lease_s": cfg.transfer.lease_s}
+        sender_extra = {"deadline_s": cfg.transfer.deadline_s, "checksum": cfg.transfer.checksum}
+        # a joined cluster may span hosts: receivers listen on every interface
+        # and advertise their host's address
+        receiver_host = "0.0.0.0" if (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else "127.0.0.1"
+        for stage, sc in cfg.stages.items():
+            cls = ray.remote(_stage_class(stage))
+            for i in range(sc.num_replicas):
+                rid = f"{stage.value}-{i}"
+                opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=f"{self.name}-{rid}",
+                            get_if_exists=False, lifetime=None)
+                engine_cfg = self._engine_config(sc)
+                threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
+                if stage is Stage.PREFILL:
+                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg,
+                                                       dict(transfer, **sender_extra), threads)
+                elif stage is Stage.DECODE:
+                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg,
+                                                       dict(transfer, host=receiver_host), threads)
+                else:
+                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, None, threads)
+                self.actors[rid] = (stage, actor)
+        refs = [a.load.remote() for _, a in self.actors.values()]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout_s)
+        if pending:
+            raise TimeoutError(f"{len(pending)} replica(s) not ready after {ready_timeout_s}s")
+        ray.get(ready)  # raises the replica's own error if it failed to start
+
+    @staticmethod
+    def _engine_config(sc: StageConfig):
+        ec = sc.engine
+        if (sc.ray_options.get("num_gpus") or 0) > 0 and ec.device == "cpu":
+            ec = dataclasses.replace(ec, device="cuda")
+        return ec
+
+    def stop_actors(self) -> None:
+        import ray
+
+        for _, actor in self.actors.values():
+            try:
+                ray.get(actor.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(actor)
+        self.actors.clear()
+        if self._started_ray:
+            ray.shutdown()
+
+    # ---- serving -------------------------------------------------------------
+    async def start_backend(self) -> RayBackend:
+        from engine.tokenizer import Tokenizer
+        from engine.weights import read_config
+
+        model_config = read_config(self.model_dir)
+        max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
+                      for sc in self.config.stages.values())
+        tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
+                                  model_config.vocab_size, Router(self.config.router), self.actors)
+        await self.backend.start()
+        return self.backend
+
+    async def start(self) -> Frontends:
+        """Actors, backend and frontends (call from the serving event loop)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.start_actors)
+        await self.start_backend()
+        self.frontends = await serve_frontends(self.backend, self.config.frontend)
+        if self.config.profile is not None:
+            self._startup_profile = asyncio.create_task(self._profile_at_startup())
+        return self.frontends
+
+    async def _profile_at_startup(self) -> None:
+        p = self.config.profile
+        await asyncio.sleep(p.delay_s)
+        try:
+            traces = await self.backend.profile(p.seconds, p.out_dir, p.with_stack)
+        except Exception:
+            log.exception("the startup profile failed")
+            return
+        for t in traces:
+            log.info("profile of %s: %s on %s", t.replica_id, t.path, t.host)
+
+    async def stop(self) -> None:
+        if self._startup_profile is not None and not self._startup_profile.done():
+            self._startup_profile.cancel()  # stops the window on the replicas (backend.profile's finally)
+            try:
+                await self._startup_profile
+            except asyncio.CancelledError:
+                pass
+        if self.frontends is not None:
+            await self.frontends.stop(grace=5.0)
+        if self.backend is not None:
+            await self.backend.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.stop_actors)
+
+
+def serve(spec: Spec) -> int:
+    """`kvrelay serve`: run until SIGINT/SIGTERM, then shut down cleanly."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = split_spec(spec)
+    return asyncio.run(_serve(Cluster(config)))
+
+
+async def _serve(cluster: Cluster) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    t0 = time.monotonic()
+    try:
+        fe = await cluster.start()
+    except Exception as e:
+        print(f"kvrelay: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
+        await cluster.stop()
+        return 1
+    host = cluster.config.frontend.host
+    print(f"kvrelay: serving {cluster.config.model} ({cluster.config.mode}, "
+          f"{len(cluster.actors)} replicas) in {time.monotonic() - t0:.1f}s", flush=True)
+    print(f"  gRPC  {host}:{fe.grpc_port}   e.g. kvrelay generate --target {host}:{fe.grpc_port} "
+          f"\"What is the capital of France?\"", flush=True)
+    if fe.http_port:
+        print(f"  HTTP  http://{host}:{fe.http_port}/v1   (OpenAI-compatible; /metrics, /health)", flush=True)
+    await stop.wait()
+    print("kvrelay: shutting down", flush=True)
+    await cluster.stop()
+    return 0

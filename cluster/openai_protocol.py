@@ -1,0 +1,298 @@
+"""OpenAI's JSON shapes: request bodies in, response objects out.
+
+Bodies are pydantic models in strict mode that ignore unknown fields (OpenAI
+clients send extras) but refuse a wrong type, naming the field
+(``temperature: input should be a valid number``). `to_generate_request`
+turns a body into a `GenerateRequest` through the shared tokenization
+(`cluster.serving`) and validation (`cluster.validation`). The rest builds
+response objects from `GenerateDelta`s; `cluster.http_frontend` serves them.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.backend import Backend, Tokenizer
+from cluster.serving import encode_chat, encode_text
+from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
+from cluster.validation import check_model, validate_request
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _GenerateBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Any = None  # a string or a list of strings, checked by `_stop_strings`
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    kvrelay_timeline: bool | None = None  # an extension: the request's timeline in the response
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: Any = None  # ignored
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(_GenerateBody):
+    prompt: Any  # a string, a list of one string, or a list of token ids
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
+
+
+class ChatBody(_GenerateBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def parse_body(body_type: type[_Body], raw: bytes) -> Any:
+    """The body as ``body_type``; raises `InvalidRequestError` naming the first bad field."""
+    try:
+        return body_type.model_validate_json(raw or b"{}")
+    except ValidationError as err:
+        e = err.errors()[0]
+        if e["type"] == "json_invalid":
+            raise InvalidRequestError("body", f"not valid JSON ({e['msg']})") from None
+        loc = e["loc"]
+        if not loc:
+            raise InvalidRequestError("body", "must be a JSON object") from None
+        field = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+        msg = e["msg"]
+        raise InvalidRequestError(field, msg[:1].lower() + msg[1:]) from None
+
+
+# ---- body → GenerateRequest -------------------------------------------------------
+_UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("echo", False), ("best_of", 1),
+                ("suffix", ""))
+
+
+def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, request_id: str) -> GenerateRequest:
+    """Check, tokenize and validate a body; raises `InvalidRequestError` (field ``model``: unknown model)."""
+    check_model(body.model or "", backend.model_name)
+    if body.n not in (None, 1):
+        raise InvalidRequestError("n", f"only 1 choice per request is supported, got {body.n}")
+    for name, default in _UNSUPPORTED:
+        value = getattr(body, name, None)
+        if value is not None and value != default:
+            raise InvalidRequestError(name, f"not supported, got {value!r}")
+    if isinstance(body, ChatBody):
+        token_ids = encode_chat(backend.tokenizer, _chat_messages(body.messages))
+        max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, max_tokens_field)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        token_ids = _prompt_token_ids(backend.tokenizer, body.prompt)
+        max_tokens_field, max_tokens = "max_tokens", body.max_tokens
+        logprobs, logprobs_field = body.logprobs, "logprobs"
+    try:
+        sampling = validate_request(
+            token_ids, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size,
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, seed=body.seed, stop=_stop_strings(body.stop), stop_token_ids=body.stop_token_ids or (),
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs,
+        )
+    except InvalidRequestError as e:  # name the field as this body spells it
+        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(e.field)
+        if renamed and renamed != e.field:
+            raise InvalidRequestError(renamed, e.problem.replace("max_tokens", renamed)) from None
+        raise
+    return GenerateRequest(request_id, token_ids, sampling, timeline=bool(body.kvrelay_timeline))
+
+
+def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        return encode_text(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise InvalidRequestError("prompt", f"only one prompt per request is supported, got {len(prompt)}")
+        return encode_text(tokenizer, prompt[0])
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)  # empty and out-of-vocabulary ids are refused by validate_request
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        raise InvalidRequestError("prompt", "only one prompt per request is supported")
+    raise InvalidRequestError("prompt", "must be a string, a list of one string, or a list of token ids")
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequestError("stop", "must be a string or a list of strings")
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequestError(f"messages[{i}].content", "only text parts are supported")
+            content = "\n".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# ---- responses ---------------------------------------------------------------------
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def token_text(tokenizer: Tokenizer) -> Callable[[int], str]:
+    """id → the token's text, for logprobs (``token_id:<id>`` when the tokenizer cannot decode)."""
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: decode([token_id])
+
+
+class _Responses:
+    """The response objects of one request: the whole response, or its stream's chunks in order.
+
+    Subclasses give the endpoint's names and its choice and logprobs shapes.
+    Logprobs are included iff the request asked for them (``with_logprobs``).
+    """
+
+    body_type: type[_GenerateBody]
+    id_prefix: str
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, request_id: str, model: str, text_of: Callable[[int], str], with_logprobs: bool,
+                 include_usage: bool = False):
+        self.request_id, self.model = request_id, model
+        self.created = int(time.time())
+        self._text_of = text_of
+        self._with_logprobs = with_logprobs
+        self.include_usage = include_usage  # streams: "usage": null on every chunk, then a usage chunk
+        self._num_chunks = 0
+        self._text_offset = 0  # of the next chunk's text in the completion
+
+    def response(self, text: str, reason: FinishReason, lps: Sequence[TokenLogprob], usage_: dict) -> dict:
+        choice = self._choice(text, _finish_reason(reason), self._logprobs(lps, 0) if self._with_logprobs else None)
+        return self._object(self.object_name, [choice], usage=usage_)
+
+    def chunk(self, text: str, reason: FinishReason | None, lps: Sequence[TokenLogprob]) -> dict:
+        logprobs = self._logprobs(lps, self._text_offset) if self._with_logprobs else None
+        choice = self._chunk_choice(text, _finish_reason(reason), logprobs, is_first=self._num_chunks == 0)
+        self._num_chunks += 1
+        self._text_offset += len(text)
+        return self._object(self.chunk_object_name, [choice], **({"usage": None} if self.include_usage else {}))
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return self._object(self.chunk_object_name, [], usage=usage_)
+
+    def _object(self, object_name: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _choice(self, text: str, reason: str | None, logprobs: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, reason: str | None, logprobs: dict | None, is_first: bool) -> dict:
+        raise NotImplementedError
+
+    def _logprobs(self, lps: Sequence[TokenLogprob], text_offset: int) -> dict:
+        raise NotImplementedError
+
+
+class CompletionResponses(_Responses):
+    body_type = CompletionBody
+    id_prefix = "cmpl-"
+    object_name = chunk_object_name = "text_completion"
+
+    def _choice(self, text, reason, logprobs):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _chunk_choice(self, text, reason, logprobs, is_first):
+        return self._choice(text, reason, logprobs)
+
+    def _logprobs(self, lps, text_offset):
+        """Parallel lists; ``text_offset`` counts from the completion's start."""
+        tokens = [self._text_of(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._text_of(t): p for t, p in lp.top} for lp in lps], "text_offset": offsets}
+
+
+class ChatResponses(_Responses):
+    body_type = ChatBody
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _choice(self, text, reason, logprobs):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": reason}
+
+    def _chunk_choice(self, text, reason, logprobs, is_first):
+        delta = {"role": "assistant", "content": text} if is_first else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, lps, text_offset):
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._text_of(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                            for lp in lps], "refusal": None}
+
+
+def _finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value  # stop, length; abort when the operator aborted
+
+
+def model_list(model: str, max_model_len: int, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model, max_model_len, created)]}
+
+
+def model_card(model: str, max_model_len: int, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvrelay",
+            "max_model_len": max_model_len}

@@ -1,0 +1,288 @@
+"""The machinery every serving stage shares: a loop thread that owns an
+EngineCore, a command queue for calls from other threads, and per-request
+output queues for streaming.
+
+The stages (prefill, decode, colocated) are plain classes built on this; Ray
+hosts them as threaded actors from the launcher, so calls arrive on Ray's
+threads while the engine is only ever touched by the loop thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.output import OutputProcessor, RequestOutput
+from engine.profiling import ProfileWindow, enable_nvtx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """One chunk of a request's stream as it crosses process boundaries."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> "Delta":
+        return cls(out.request_id, out.delta_token_ids, out.delta_text,
+                   out.finish_reason if out.finished else None, out.error, out.logprobs,
+                   out.num_cached_tokens, out.metrics if out.finished else {})
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_END = object()
+
+
+def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | None = None):
+    """EngineCore + tokenizer for a checkpoint folder (already converted)."""
+    from engine.tokenizer import Tokenizer, TokenizerError
+    from engine.weights import load_checkpoint
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
+    core = EngineCore(model_config, weights, config)
+    try:
+        tokenizer = Tokenizer.from_folder(model_dir)
+        core.eos_token_ids |= frozenset(tokenizer.eos_token_ids)
+    except TokenizerError:
+        tokenizer = None
+    return core, tokenizer
+
+
+class StageLoop:
+    """Owns the engine on one thread. Subclasses implement ``_iterate``."""
+
+    idle_wait_s = 0.05  # how long the loop sleeps on the command queue when there is no work
+    busy_wait_s = 0.0005  # ... when transfers are in flight but nothing is runnable
+
+    def __init__(self, replica_id: str, core: EngineCore, tokenizer):
+        self.replica_id = replica_id
+        self.core = core
+        self.tokenizer = tokenizer
+        self.outputs = OutputProcessor(tokenizer)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, queue.SimpleQueue] = {}
+        self._streams_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._fatal: str | None = None
+        self._load: dict = self._snapshot_load()
+        self._profile: ProfileWindow | None = None
+        self._is_cuda = str(core.config.device).startswith("cuda")
+        if self._is_cuda:
+            enable_nvtx()
+        self._thread = threading.Thread(target=self._run, name=f"{replica_id}-loop", daemon=True)
+        self._thread.start()
+
+    # ---- calls from other threads -----------------------------------------
+    def call(self, fn: Callable, *args, timeout: float | None = 60.0):
+        """Run ``fn(*args)`` on the loop thread and return its result."""
+        if self._fatal:
+            raise RuntimeError(f"{self.replica_id}: stage loop died: {self._fatal}")
+        fut: Future = Future()
+        self._commands.put((fn, args, fut))
+        return fut.result(timeout=timeout)
+
+    def post(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the loop thread, without waiting."""
+        self._commands.put((fn, args, None))
+
+    def open_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already running on {self.replica_id}")
+            self._streams[request_id] = queue.SimpleQueue()
+
+    def stream(self, request_id: str, timeout_s: float = 600.0) -> Iterator[list[Delta]]:
+        """Yield batches of deltas for a request until it finishes."""
+        with self._streams_lock:
+            q = self._streams.get(request_id)
+        if q is None:
+            raise KeyError(f"request {request_id!r} is not on {self.replica_id}")
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=timeout_s)
+                except queue.Empty:
+                    self.post(self._abort, request_id)
+                    yield [Delta(request_id, [], "", "error", f"no output for {timeout_s}s")]
+                    return
+                batch = [item]
+                while True:
+                    try:
+                        batch.append(q.get_nowait())
+                    except queue.Empty:
+                        break
+                deltas = [d for d in batch if d is not _END]
+                if deltas:
+                    yield deltas
+                if any(d is _END or d.finished for d in batch):
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self.post(self._abort, request_id)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """End a request with an error (e.g. its prefill failed elsewhere)."""
+        self.post(self._fail, request_id, error)
+
+    def start_profile(self, out_dir: str, with_stack: bool = False) -> None:
+        """Open a profiler window on the loop thread (CPU, plus CUDA on a GPU).
+        Raises if one is already open on this replica."""
+        self.call(self._start_profile, out_dir, with_stack)
+
+    def stop_profile(self) -> str:
+        """Close the window; returns the Chrome trace's path on this host,
+        ``<out_dir>/<replica_id>-<timestamp>.json``."""
+        return self.call(self._stop_profile, timeout=300.0)
+
+    def host(self) -> str:
+        """This replica's host name (where its trace files are written)."""
+        return socket.gethostname()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put((lambda: None, (), None))
+        self._thread.join(timeout=10)
+
+    # ---- loop thread ---------------------------------------------------------
+    def emit(self, delta: Delta) -> None:
+        with self._streams_lock:
+            q = self._streams.get(delta.request_id)
+        if q is not None:
+            q.put(delta)
+
+    def emit_outputs(self, step_outputs) -> None:
+        from engine.sequence import SequenceStatus
+
+        for out in step_outputs:
+            ro, stopped = self.outputs.process(out.seq, out.new_token_ids)
+            if stopped:
+                self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
+                ro.metrics = out.seq.metrics.as_dict()
+            self.emit(Delta.from_output(ro))
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        self.outputs.discard(request_id)
+        self.emit(Delta(request_id, [], "", "error", error))
+
+    def _release(self, request_id: str) -> None:
+        """Free everything the request holds here, without a word to its stream."""
+        self.core.abort(request_id)
+        self.outputs.discard(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._release(request_id)
+        self.emit(Delta(request_id, [], "", "abort"))
+
+    def _fail(self, request_id: str, error: str) -> None:
+        self._release(request_id)
+        self.fail_request(request_id, error)
+
+    def _start_profile(self, out_dir: str, with_stack: bool) -> None:
+        if self._profile is not None:
+            raise RuntimeError(f"{self.replica_id}: a profile is already running")
+        window = ProfileWindow(out_dir, self.replica_id, with_stack, cuda=self._is_cuda)
+        window.start()
+        self._profile = window
+
+    def _stop_profile(self) -> str:
+        if self._profile is None:
+            raise RuntimeError(f"{self.replica_id}: no profile is running")
+        window, self._profile = self._profile, None
+        return str(window.stop())
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                has_work = self._iterate()
+                self._load = self._snapshot_load()
+                wait = 0 if has_work else (self.busy_wait_s if self._has_pending() else self.idle_wait_s)
+                self._drain_commands(wait)
+        except Exception as e:  # the loop must not die silently: fail every request
+            self._fatal = f"{type(e).__name__}: {e}"
+            log.error("%s: stage loop died\n%s", self.replica_id, traceback.format_exc())
+            with self._streams_lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self.emit(Delta(rid, [], "", "error", f"{self.replica_id} failed: {self._fatal}"))
+        finally:
+            if self._profile is not None:
+                try:
+                    self._stop_profile()
+                except Exception:
+                    log.exception("%s: could not write the open profile", self.replica_id)
+            self._on_stop()
+
+    def _drain_commands(self, wait: float) -> None:
+        try:
+            item = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, args, fut = item
+            try:
+                result = fn(*args)
+                if fut is not None:
+                    fut.set_result(result)
+            except Exception as e:
+                if fut is not None:
+                    fut.set_exception(e)
+                else:
+                    log.exception("%s: command failed", self.replica_id)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _iterate(self) -> bool:
+        """One round of the stage's own work; True if there may be more right away."""
+        raise NotImplementedError
+
+    def _has_pending(self) -> bool:
+        return False
+
+    def _on_stop(self) -> None:
+        pass
+
+    # ---- shared status ---------------------------------------------------------
+    def _snapshot_load(self) -> dict:
+        load = self.core.load()
+        load["replica_id"] = self.replica_id
+        load["is_alive"] = self._fatal is None if hasattr(self, "_fatal") else True
+        return load
+
+    def load(self) -> dict:
+        """The latest load snapshot (taken by the loop thread after each round)."""
+        return dict(self._load, is_alive=self._fatal is None)
+
+    def is_fully_free(self) -> bool:
+        return self.call(lambda: self.core.pool.is_fully_free() and not self.core.has_unfinished())
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        return frozenset(self.call(self.core.pool.cached_hashes))

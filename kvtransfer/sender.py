@@ -1,0 +1,292 @@
+"""The prefill side of a transfer: push a request's KV into the blocks of its ticket.
+
+1. ``start(ticket, ...)``    queue the transfer; the worker thread opens (or
+                             reuses) an authenticated link to the ticket's endpoint.
+2. ``push_layer(rid, l)``    from the engine's per-layer hook: queue layer l's
+                             chunks (planned by planner.plan_layer).
+3. ``commit(rid, token)``    sent as soon as every layer was sent; the receiver
+                             marks the transfer DONE when the last chunk has landed,
+                             the sender when the commit and every chunk were acknowledged.
+4. ``poll()``                returns finished sends: DONE, or FAILED on a refused
+                             handshake, a lost receiver, an abort or the deadline.
+
+All public methods return at once; the one worker thread and the transports'
+threads do the moving. The source blocks must stay allocated until poll()
+reported the transfer (the prefill stage frees them then).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer import auth, transports
+from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
+from kvtransfer.receiver import Ack, byte_views
+from kvtransfer.types import HandshakeError, State, Ticket, TransferError, TransferResult
+
+
+@dataclass(eq=False)
+class Outbound:
+    ticket: Ticket
+    src_bytes: list[torch.Tensor]  # per layer [num_blocks, slab_bytes] uint8
+    src_block_ids: list[int]
+    deadline: float
+    plans: list[list[ChunkPlan]]
+    state: State = State.RESERVED
+    link: object | None = None
+    num_chunks_acked: int = 0
+    first_token: int | None = None
+    is_commit_sent: bool = False
+    is_commit_acked: bool = False
+    error: str | None = None
+    is_reported: bool = False
+    layers_pushed: set[int] = field(default_factory=set)
+    layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(p) for p in self.plans)
+
+
+class KVSender:
+    """Prefill-side endpoint. Options: deadline_s (per transfer, from start), connect_timeout_s,
+    chunk_timeout_s, max_chunk_bytes, checksum, window (chunks in flight per link)."""
+
+    def __init__(self, fingerprint: dict[str, str], secret: bytes | str, deadline_s: float = 60.0,
+                 connect_timeout_s: float = 10.0, chunk_timeout_s: float = 30.0,
+                 max_chunk_bytes: int = 4 << 20, checksum: bool = False, **link_options):
+        self.fingerprint = dict(fingerprint)
+        self.secret = auth.as_secret(secret)
+        self.deadline_s = deadline_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_chunk_bytes = max_chunk_bytes
+        self.checksum = checksum
+        self.link_options = dict(link_options, chunk_timeout_s=chunk_timeout_s)
+        self._lock = threading.Lock()
+        self._sends: dict[str, Outbound] = {}
+        self._links: dict[str, object] = {}
+        self._events: queue.Queue = queue.Queue()
+        self._is_closed = False
+        self._worker = threading.Thread(target=self._run, name="kvt-sender", daemon=True)
+        self._worker.start()
+
+    # ---- public API (any thread, never blocks) ---------------------------
+    def connect(self, endpoint: str) -> None:
+        """Handshake with ``endpoint`` now (blocking); raises HandshakeError or TransferError."""
+        self._link_for(endpoint)
+
+    def start(self, ticket: Ticket, kv_caches: list[torch.Tensor], src_block_ids: list[int], num_tokens: int) -> None:
+        num_blocks = blocks_for_tokens(num_tokens, int(kv_caches[0].shape[2]))
+        if num_blocks != len(ticket.block_ids) or num_blocks != len(src_block_ids):
+            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks; ticket has {len(ticket.block_ids)},"
+                             f" source has {len(src_block_ids)}")
+        src = byte_views(kv_caches)
+        slab = src[0].shape[1]
+        plans = [plan_layer(layer, num_blocks, slab, self.max_chunk_bytes) for layer in range(len(src))]
+        ob = Outbound(ticket, src, list(src_block_ids), time.time() + self.deadline_s, plans)
+        with self._lock:
+            if ticket.request_id in self._sends:
+                raise ValueError(f"request {ticket.request_id!r} is already being sent")
+            self._sends[ticket.request_id] = ob
+        self._events.put(("start", ob))
+
+    def push_layer(self, request_id: str, layer: int) -> None:
+        """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
+        ob = self._get(request_id)
+        if ob is not None:
+            if ob.src_bytes[0].is_cuda:  # the layer's kernels may still run: order the send after them
+                ob.layer_ready[layer] = torch.cuda.Event()
+                ob.layer_ready[layer].record()
+            self._events.put(("layer", ob, layer))
+
+    def hook(self, *request_ids: str):
+        """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
+        def push(layer: int) -> None:
+            for request_id in request_ids:
+                self.push_layer(request_id, layer)
+
+        return push
+
+    def commit(self, request_id: str, first_token: int) -> None:
+        """Queue the first token; sent once every layer was. A no-op once the transfer was reported."""
+        ob = self._get(request_id)
+        if ob is not None:
+            self._events.put(("commit", ob, int(first_token)))
+
+    def renew(self, ticket: Ticket, lease_s: float) -> None:
+        """Extend the receiver's lease while the request waits in the prefill queue (best effort)."""
+        self._events.put(("renew", ticket, lease_s))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            ob = self._sends.get(request_id)
+        if ob is not None:
+            self._fail(ob, "aborted by sender")
+
+    def poll(self) -> list[TransferResult]:
+        results = []
+        now = time.time()
+        with self._lock:
+            sends = list(self._sends.values())
+        for ob in sends:
+            if not ob.state.is_finished and now > ob.deadline:
+                self._fail(ob, f"deadline of {self.deadline_s}s exceeded")
+            with self._lock:
+                if ob.state.is_finished and not ob.is_reported:
+                    ob.is_reported = True
+                    results.append(TransferResult(ob.ticket.request_id, ob.state.name, ob.first_token
+                                                  if ob.state == State.DONE else None, ob.error,
+                                                  list(ob.src_block_ids)))
+                    del self._sends[ob.ticket.request_id]
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            sends = list(self._sends.values())
+        for ob in sends:
+            self._fail(ob, "sender closed")
+        self._is_closed = True
+        self._events.put(None)
+        self._worker.join(timeout=5)
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+    # ---- worker ----------------------------------------------------------
+    def _run(self) -> None:
+        """Handle events in order; layer pushes that queued up meanwhile are sent together."""
+        while True:
+            batch = [self._events.get()]
+            while True:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[Outbound, list[int]] = {}
+            for event in batch:
+                if event is not None and event[0] == "layer":
+                    pending.setdefault(event[1], []).append(event[2])
+                    continue
+                self._send_pending(pending)
+                pending = {}
+                if event is None:
+                    return
+                self._guarded(event[1], self._handle, *event)
+            self._send_pending(pending)
+
+    def _guarded(self, ob, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # never let the worker die; fail the transfer instead
+            if isinstance(ob, Outbound):
+                self._fail(ob, f"sender error: {type(e).__name__}: {e}")
+
+    def _send_pending(self, pending: dict[Outbound, list[int]]) -> None:
+        for ob, layers in pending.items():
+            self._guarded(ob, self._send_layers, ob, layers)
+
+    def _handle(self, kind: str, ob, arg=None) -> None:
+        if kind == "renew":
+            self._link_for(ob.endpoint).renew(ob.transfer_id, arg)
+            return
+        if kind == "abort_remote":  # so the receiver frees its blocks now, not at the lease
+            (ob.link or self._link_for(ob.ticket.endpoint)).abort(ob.ticket.transfer_id, arg)
+            return
+        if ob.state.is_finished:
+            return
+        if kind == "start":
+            try:
+                ob.link = self._link_for(ob.ticket.endpoint)
+            except (HandshakeError, TransferError) as e:
+                self._fail(ob, str(e), notify=False)
+        elif kind == "commit":
+            ob.first_token = arg
+            self._maybe_commit(ob)
+
+    def _send_layers(self, ob: Outbound, layers: list[int]) -> None:
+        layers = [layer for layer in dict.fromkeys(layers) if layer not in ob.layers_pushed]
+        with self._lock:
+            if ob.link is None or ob.state.is_finished or not layers:
+                return
+            ob.layers_pushed.update(layers)
+            ob.state = State.TRANSFERRING
+        for layer in layers:
+            if layer in ob.layer_ready:
+                ob.layer_ready.pop(layer).synchronize()
+        chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
+                                 ob.src_bytes[0].shape[1], self.max_chunk_bytes)
+        for chunk in chunks:
+            if ob.state.is_finished:
+                return
+            future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes, ob.src_block_ids, self.checksum)
+            future.add_done_callback(lambda f, ob=ob, n=chunk.num_layers: self._on_chunk(ob, f, n))
+        self._maybe_commit(ob)
+
+    def _on_chunk(self, ob: Outbound, future, num_layers: int) -> None:
+        ack = _ack_of(future)
+        if not ack.ok:
+            self._fail(ob, f"chunk refused: {ack.error}")
+            return
+        with self._lock:
+            ob.num_chunks_acked += num_layers  # a coalesced chunk stands for one planned chunk per layer
+        self._maybe_done(ob)
+
+    def _maybe_commit(self, ob: Outbound) -> None:
+        """Commit once every layer was *sent* (not acknowledged): the receiver finishes on the last chunk."""
+        with self._lock:
+            if (ob.state.is_finished or ob.is_commit_sent or ob.first_token is None
+                    or len(ob.layers_pushed) < len(ob.plans)):
+                return
+            ob.is_commit_sent = True
+        future = ob.link.commit(ob.ticket.transfer_id, ob.first_token)
+        future.add_done_callback(lambda f: self._on_commit(ob, f))
+
+    def _on_commit(self, ob: Outbound, future) -> None:
+        ack = _ack_of(future)
+        if not ack.ok:
+            self._fail(ob, f"commit refused: {ack.error}")
+            return
+        with self._lock:
+            ob.is_commit_acked = True
+        self._maybe_done(ob)
+
+    def _maybe_done(self, ob: Outbound) -> None:
+        with self._lock:
+            if not ob.state.is_finished and ob.is_commit_acked and ob.num_chunks_acked >= ob.num_chunks:
+                ob.state = State.DONE
+
+    def _fail(self, ob: Outbound, error: str, notify: bool = True) -> None:
+        with self._lock:
+            if ob.state.is_finished:
+                return
+            ob.state = State.FAILED
+            ob.error = error
+        if notify and not self._is_closed:
+            self._events.put(("abort_remote", ob, error))
+
+    def _link_for(self, endpoint: str):
+        with self._lock:
+            link = self._links.get(endpoint)
+        if link is not None and not link.is_broken:
+            return link
+        link = transports.connect(endpoint, self.fingerprint, self.secret, self.connect_timeout_s,
+                                  **self.link_options)
+        with self._lock:
+            self._links[endpoint] = link
+        return link
+
+    def _get(self, request_id: str) -> Outbound | None:
+        with self._lock:
+            return self._sends.get(request_id)
+
+
+def _ack_of(future) -> Ack:
+    try:
+        return future.result()
+    except Exception as e:
+        return Ack(False, error=f"{type(e).__name__}: {e}")

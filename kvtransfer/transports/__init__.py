@@ -1,0 +1,21 @@
+"""Movers: each transport is its own module, imported lazily by name.
+
+A receiver-side transport serves ``ReceiverCore`` (``service.py`` for grpc
+and nccl, ``local.py`` for the same process); a sender-side ``Link`` (see
+``base.py``) is one authenticated connection to one receiver endpoint.
+"""
+from __future__ import annotations
+
+
+def connect(endpoint: str, fingerprint: dict[str, str], secret: bytes, timeout_s: float, **options):
+    """Open and authenticate a Link to ``endpoint`` ("grpc://h:p", "nccl://h:p", "local://id")."""
+    scheme = endpoint.split("://", 1)[0]
+    if scheme == "local":
+        from kvtransfer.transports.local import LocalLink as cls
+    elif scheme == "grpc":
+        from kvtransfer.transports.grpc_link import GrpcLink as cls
+    elif scheme == "nccl":
+        from kvtransfer.transports.nccl_link import NcclLink as cls
+    else:
+        raise ValueError(f"unknown transport in endpoint {endpoint!r}")
+    return cls.connect(endpoint, fingerprint, secret, timeout_s, **options)

@@ -1,0 +1,95 @@
+"""The `nccl` transport: bytes over a torch.distributed point-to-point pair, control over gRPC.
+
+For each chunk the sender gathers the slabs into one contiguous buffer,
+announces it over gRPC (transfer id, layer, block range, tag, size) and posts
+an ``isend`` with a fresh tag on the pair's process group (see pairing.py).
+The receiver's Announce handler posts the matching ``irecv`` into a staging
+buffer and then hands it to ReceiverCore, which copies it into the ticket's
+blocks only if the transfer still accepts data. Many chunks, of many
+transfers, are in flight per pair; tags keep them apart.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvtransfer.planner import ChunkPlan
+from kvtransfer.receiver import Ack
+from kvtransfer.transports import pairing
+from kvtransfer.transports.base import chunk_ids, crc32_of, done, gather
+from kvtransfer.transports.grpc_link import GrpcControl
+from kvtransfer.types import TransferError
+from protos import kvtransfer_pb2 as pb
+
+
+def pair_device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class NcclLink(GrpcControl):
+    transport = "nccl"
+
+    def __init__(self, *args, pair: pairing.PairGroup, window: int = 32, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pair = pair
+        self._tags = itertools.count(1)
+        self._tag_lock = threading.Lock()
+        self._window = threading.Semaphore(window)
+        self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvt-p2p")
+        self.staging = pairing.StagingBuffers(pair_device(pair.backend))
+
+    @classmethod
+    def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 32,
+                **options):
+        channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
+        pair = pairing.PairGroup(reply.backend)
+        try:
+            store = pairing.join_store(reply.store_host, reply.store_port, timeout_s)
+            pair.group = pairing.make_group(store, reply.pair_id, pairing.SENDER_RANK, reply.backend,
+                                            reply.store_host, chunk_timeout_s)
+            pair._ready.set()
+        except Exception as e:
+            channel.close()
+            raise TransferError(f"cannot join the process group of {endpoint}: {e}") from None
+        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, pair=pair, window=window)
+
+    def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
+        ids = chunk_ids(chunk, src_block_ids)
+        staging = self.staging.take(chunk.num_layers * chunk.num_blocks * src[0].shape[1])
+        data = gather(src, chunk, ids, out=staging).contiguous()  # [layers * n, slab_bytes]
+        with self._tag_lock:
+            tag = next(self._tags)
+        header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
+                          num_blocks=chunk.num_blocks, num_layers=chunk.num_layers, tag=tag,
+                          nbytes=data.numel())
+        if checksum:
+            header.has_checksum, header.crc32 = True, crc32_of(data)
+        if not self._window.acquire(timeout=self.chunk_timeout_s):
+            return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
+        announced = self._call(self.stub.Announce, header)
+        try:
+            work = self.pair.send(data.view(-1), tag, pairing.RECEIVER_RANK)
+        except Exception as e:
+            self.is_broken = True
+            self._window.release()
+            return done(Ack(False, error=f"receiver lost: {e}"))
+        out = self._waiters.submit(self._wait, work, announced, data, staging)
+        out.add_done_callback(lambda _: self._window.release())
+        return out
+
+    def _wait(self, work, announced: Future, data: torch.Tensor, staging: torch.Tensor) -> Ack:
+        try:
+            work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
+        except Exception as e:  # connection closed or timeout: the receiver is gone (staging not reused)
+            self.is_broken = True
+            return Ack(False, error=f"receiver lost: {str(e).splitlines()[0][:200]}")
+        self.staging.give(staging)
+        return announced.result(timeout=self.chunk_timeout_s)
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        super().close()

@@ -1,0 +1,69 @@
+"""The small types that cross the transfer service's boundary (no torch, no gRPC)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class TransferError(RuntimeError):
+    """A transfer could not proceed; the message says why."""
+
+
+class HandshakeError(TransferError):
+    """The peer was refused: wrong secret, or a model fingerprint mismatch (field named)."""
+
+
+class State(enum.IntEnum):
+    """A transfer's life cycle; ``state >= State.DONE`` means finished."""
+
+    RESERVED = 0      # receiver: blocks held, no data yet; sender: started, nothing sent
+    TRANSFERRING = 1  # chunks are moving
+    DONE = 2          # every layer landed and the first token was committed
+    FAILED = 3        # aborted, expired, peer lost or refused; blocks freed on the receiver
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= State.DONE
+
+
+@dataclass
+class Ticket:
+    """What the decode side hands the prefill side: where to put one request's KV.
+
+    A plain picklable dataclass (Ray passes it); ``to_proto``/``from_proto``
+    convert it at the service's edge.
+    """
+
+    transfer_id: str
+    request_id: str
+    endpoint: str
+    block_ids: list[int]
+    lease_deadline: float  # unix time
+    transport: str
+
+    def to_proto(self):
+        from protos import kvtransfer_pb2 as pb
+
+        return pb.Ticket(transfer_id=self.transfer_id, request_id=self.request_id, endpoint=self.endpoint,
+                         block_ids=self.block_ids, lease_deadline=self.lease_deadline, transport=self.transport)
+
+    @classmethod
+    def from_proto(cls, msg) -> "Ticket":
+        return cls(msg.transfer_id, msg.request_id, msg.endpoint, list(msg.block_ids), msg.lease_deadline,
+                   msg.transport)
+
+
+@dataclass
+class TransferResult:
+    """How one transfer ended. Each reserve()/start() yields exactly one, from poll().
+
+    On the receiver, FAILED means its blocks are already freed; DONE means they
+    wait for release(). ``block_ids`` are the ticket's (receiver) or the source
+    blocks (sender), for bookkeeping only.
+    """
+
+    request_id: str
+    status: str  # "DONE" | "FAILED"
+    first_token: int | None = None
+    error: str | None = None
+    block_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,191 @@
+"""The prefill stage: computes prompts and pushes their KV to decode replicas.
+
+Life-cycle of a request in a prefill replica:
+
+1. prefill(request, ticket): the sequence enters the engine's waiting queue
+   with the decode replica's ticket. While it waits, the ticket's lease is
+   renewed so the reserved blocks on the decode side are not reclaimed.
+                                                                   [waiting]
+2. The engine batches prompts under the token budget, chunks long ones and
+   reuses cached prefix blocks. When a batch holds a prompt's last chunk,
+   the KV sender starts that transfer before the forward pass, and the
+   per-layer hook pushes layer i as soon as it is written, while layer i+1
+   computes.                                                  [transferring]
+3. The first token is sampled and committed; the prompt's blocks stay held,
+   since the sender still reads them.                          [committing]
+4. The sender reports DONE or FAILED: the blocks are freed (full ones stay
+   in the prefix cache) and the caller gets the first token or the error.
+                                                                     [done]
+Abort at any point frees everything the request holds on this replica.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import model_fingerprint
+from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.stage_loop import StageLoop, load_engine
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    status: str  # "DONE" | "FAILED"
+    first_token: int | None = None
+    logprobs: dict | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    timings: dict = field(default_factory=dict)  # queue_time_s, prefill_time_s, kv_transfer_time_s, kv_transfer_bytes,
+    # wall_times: {prefill_queued, prefill_start, prefill_end} as time.time() stamps
+
+
+@dataclass
+class _Job:
+    seq: Sequence
+    ticket: object
+    future: Future
+    next_renew: float
+    sending: bool = False
+    compute_done: float | None = None
+
+
+class PrefillStage(StageLoop):
+    def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, transfer: dict,
+                 num_threads: int | None = None):
+        """``transfer``: the KV sender's options: secret, lease_s, deadline_s, checksum, ..."""
+        from kvtransfer.sender import KVSender
+
+        core, tokenizer = load_engine(model_dir, engine_config, num_threads)
+        opts = dict(transfer)
+        opts.pop("backend", None)
+        opts.pop("host", None)
+        self.lease_s = float(opts.pop("lease_s", 30.0))
+        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
+        self._jobs: dict[str, _Job] = {}
+        super().__init__(replica_id, core, tokenizer)
+
+    # ---- API (any thread) --------------------------------------------------
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket,
+                timeout_s: float = 600.0) -> PrefillResult:
+        """Compute the prompt and push its KV into ``ticket``'s blocks. Blocks
+        until the transfer is DONE or FAILED; returns the first token."""
+        self.core.check_prompt(prompt_token_ids, 1)
+        fut: Future = Future()
+        self.call(self._add, request_id, prompt_token_ids, params, ticket, fut)
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            self.abort(request_id)
+            return PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
+
+    # ---- loop thread -------------------------------------------------------
+    def _add(self, request_id, prompt_token_ids, params, ticket, fut) -> None:
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
+        self.core.add(seq)
+        self._jobs[request_id] = _Job(seq, ticket, fut, time.monotonic() + self.lease_s / 3)
+
+    def _abort(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        if job.sending:
+            self.sender.abort(request_id)  # poll() reports FAILED, then the blocks are freed
+        else:
+            self._jobs.pop(request_id)
+            self.core.abort(request_id)
+            job.future.set_result(PrefillResult(request_id, "FAILED", error="aborted"))
+
+    def _on_batch(self, sched: SchedulerOutput):
+        starting = []
+        for s in sched.scheduled:
+            job = self._jobs.get(s.seq.request_id)
+            if job is None or not s.samples:
+                continue
+            seq = s.seq
+            with phase(KV_TRANSFER_START):
+                self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
+                                  seq.num_prompt_tokens)
+            job.sending = True
+            starting.append(seq.request_id)
+        if not starting:
+            return None
+        push = self.sender.push_layer
+
+        def hook(layer: int) -> None:
+            for rid in starting:
+                push(rid, layer)
+        return hook
+
+    def _iterate(self) -> bool:
+        busy = False
+        if self.core.has_unfinished():
+            for out in self.core.step(self._on_batch):
+                job = self._jobs.get(out.seq.request_id)
+                if job is None:
+                    continue
+                job.compute_done = time.monotonic()
+                if out.seq.status == SequenceStatus.FINISHED_LENGTH:
+                    with phase(KV_COMMIT):
+                        self.sender.commit(out.seq.request_id, out.new_token_ids[0])
+            busy = True
+        for result in self.sender.poll():
+            job = self._jobs.pop(result.request_id, None)
+            if job is None:
+                continue
+            self.core.kv.free(job.seq)
+            job.future.set_result(self._result(job, result))
+        self._renew_leases()
+        return busy
+
+    def _result(self, job: _Job, result) -> PrefillResult:
+        seq = job.seq
+        m = seq.metrics
+        now = time.monotonic()
+        timings = {}
+        if m.first_scheduled_time is not None:
+            timings["queue_time_s"] = m.first_scheduled_time - m.arrival_time
+            if job.compute_done is not None:
+                timings["prefill_time_s"] = job.compute_done - m.first_scheduled_time
+                timings["kv_transfer_time_s"] = now - job.compute_done  # what the transfer added after compute
+        timings["kv_transfer_bytes"] = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block
+        wall = m.wall_times()  # for a request timeline: queued here, prefill start and end
+        timings["wall_times"] = {"prefill_queued": wall["arrival"]}
+        if "first_scheduled" in wall:
+            timings["wall_times"]["prefill_start"] = wall["first_scheduled"]
+        if job.compute_done is not None:
+            timings["wall_times"]["prefill_end"] = job.compute_done + (time.time() - now)
+        if result.status != "DONE":
+            return PrefillResult(seq.request_id, "FAILED", error=result.error, timings=timings)
+        return PrefillResult(seq.request_id, "DONE", result.first_token,
+                             seq.output_logprobs[0] if seq.output_logprobs else None,
+                             num_cached_tokens=seq.num_prefix_hit_tokens, timings=timings)
+
+    def _renew_leases(self) -> None:
+        now = time.monotonic()
+        for job in self._jobs.values():
+            if not job.sending and now >= job.next_renew:
+                self.sender.renew(job.ticket, self.lease_s)
+                job.next_renew = now + self.lease_s / 3
+
+    def _has_pending(self) -> bool:
+        return bool(self._jobs)
+
+    def _on_stop(self) -> None:
+        self.sender.close()
+        for job in list(self._jobs.values()):
+            if not job.future.done():
+                job.future.set_result(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+
+    def close(self) -> None:
+        self.stop()
+
+    def _snapshot_load(self) -> dict:
+        load = super()._snapshot_load()
+        load["num_sending"] = sum(j.sending for j in getattr(self, "_jobs", {}).values())
+        return load

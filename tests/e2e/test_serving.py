@@ -1,0 +1,153 @@
+"""What a user of a running cluster meets: cancellation, bad input, routing,
+overload and a dead decode replica. Every test ends with all pools free."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.client import KVRelayError
+from tests.e2e.conftest import disagg_spec, running_cluster
+
+LONG = dict(max_tokens=200, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_instance):
+    with running_cluster(disagg_spec(2, 2, "grpc", router={"policy": "least_loaded"})) as rc:
+        yield rc
+
+
+def _replicas_free(rc):
+    assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_sides(cluster):
+    stream = cluster.client.stream("Tell me a long story about a dragon.", **LONG)
+    chunks = [next(stream) for _ in range(3)]
+    assert any(c.token_ids for c in chunks)
+    stream.close()  # cancels the RPC
+    _replicas_free(cluster)
+    # the cluster still serves
+    assert cluster.client.generate("Hello", max_tokens=4, temperature=0).finish_reason is not None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", min_p=2.0), "min_p"),
+    (dict(prompt="word " * 9000, max_tokens=4), "prompt"),
+    (dict(prompt="hi", model="no-such-model"), "model"),
+])
+def test_bad_input_is_invalid_argument_and_harms_nothing(cluster, kwargs, field):
+    other = ThreadPoolExecutor(1).submit(cluster.client.generate, "Count to five.", max_tokens=16, temperature=0)
+    with pytest.raises(KVRelayError) as e:
+        cluster.client.generate(**kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in str(e.value)
+    assert other.result(timeout=60).finish_reason.value in ("stop", "length")
+    _replicas_free(cluster)
+
+
+def test_least_loaded_sends_new_work_to_the_idle_decode_replica(cluster):
+    """Skew the load: decode-0 gets long requests from elsewhere (straight to
+    the replica, as a second frontend would); new requests go to decode-1."""
+    from engine.sampling import SamplingParams
+
+    busy = cluster.actor("decode-0")
+    tok = cluster.cluster.backend.tokenizer
+    ids = tok.encode("Write an essay about the sea.")
+    import ray
+    for i in range(4):
+        ray.get(busy.submit.remote(f"skew-{i}", ids, SamplingParams(max_tokens=400, temperature=0,
+                                                                     ignore_eos=True)))
+    time.sleep(0.5)  # load reports
+    probes = [cluster.client.stream("Say hi.", max_tokens=60, temperature=0, ignore_eos=True) for _ in range(3)]
+    for p in probes:
+        next(p)
+    st = {r.replica_id: r for r in cluster.client.status().replicas}
+    assert st["decode-1"].num_in_flight == 3 and st["decode-0"].num_in_flight == 0, st
+    for p in probes:
+        p.close()
+    for i in range(4):
+        ray.get(busy.abort.remote(f"skew-{i}"))
+    _replicas_free(cluster)
+
+
+def test_prefix_aware_routes_a_repeated_prefix_to_the_replica_that_cached_it(ray_instance):
+    spec = disagg_spec(2, 1, "grpc", router={"policy": "prefix_aware"})
+    with running_cluster(spec) as rc:
+        system = "You are an expert in medieval history and answer in detail. " * 8
+        msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+        first = rc.client.chat(msgs("Who was Charlemagne?"), max_tokens=2, temperature=0)
+        assert first.usage.cached_prompt_tokens == 0
+        time.sleep(0.3)  # the replica reports its cache
+        hits = [rc.client.chat(msgs(q), max_tokens=2, temperature=0).usage.cached_prompt_tokens
+                for q in ("What was the Magna Carta?", "Who built castles?", "What is a fief?")]
+        # every follow-up reused the cached system prompt: same prefill replica each time
+        assert all(h >= 64 for h in hits), hits
+        _replicas_free(rc)
+
+
+def test_overload_queues_then_refuses_and_answers_everyone(ray_instance):
+    spec = disagg_spec(1, 1, "grpc", router={"max_queue": 2, "queue_timeout_s": 30,
+                                             "max_inflight_per_replica": 2})
+    with running_cluster(spec) as rc:
+        def one(i):
+            try:
+                return rc.client.generate(f"Request {i}: tell a story.", max_tokens=40, temperature=0,
+                                          ignore_eos=True).finish_reason.value
+            except KVRelayError as e:
+                return e.code
+        with ThreadPoolExecutor(10) as pool:
+            results = list(pool.map(one, range(10)))
+        ok = [r for r in results if r == "length"]
+        refused = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(ok) + len(refused) == 10, results  # every request got an answer
+        assert len(ok) >= 4 and refused, results  # 2 running + 2 queued at least; the rest refused
+        _replicas_free(rc)
+
+
+def test_killed_decode_replica_fails_its_requests_and_the_cluster_keeps_serving(ray_instance):
+    import ray
+
+    spec = disagg_spec(1, 2, "grpc", router={"policy": "round_robin"})
+    with running_cluster(spec) as rc:
+        results = {}
+
+        def one(i):
+            try:
+                c = rc.client.generate(f"Story {i}: once upon a time", **LONG)
+                results[i] = c.finish_reason.value
+            except KVRelayError as e:
+                results[i] = e.code
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = {r.replica_id: r for r in rc.client.status().replicas}
+            if st["decode-0"].num_running_seqs > 0:
+                break
+            time.sleep(0.1)
+        t_kill = time.monotonic()
+        ray.kill(rc.actor("decode-0"), no_restart=True)
+        for t in threads:
+            t.join(120)
+        ended = time.monotonic() - t_kill
+        failed = [r for r in results.values() if r == grpc.StatusCode.UNAVAILABLE]
+        done = [r for r in results.values() if r == "length"]
+        assert len(results) == 6 and failed and done, results
+        assert ended < 90
+        # the cluster keeps serving on the remaining replicas
+        for _ in range(3):
+            assert rc.client.generate("Hello there", max_tokens=8, temperature=0).finish_reason is not None
+        status = {r.replica_id: r.is_alive for r in rc.client.status().replicas}
+        assert status["decode-0"] is False and status["decode-1"] is True
+        assert rc.wait_pools_free(["prefill-0", "decode-1"]) == {"prefill-0": True, "decode-1": True}
