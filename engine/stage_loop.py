@@ -44,7 +44,7 @@ class Delta:
     @classmethod
     def from_output(cls, out: RequestOutput) -> "Delta":
         return cls(out.request_id, out.delta_token_ids, out.delta_text,
-                   out.finish_reason if out.finished else None, out.error, out.logprobs,
+                   out.finish_reason if out.finished else None, out.error, out.delta_logprobs,
                    out.num_cached_tokens, out.metrics if out.finished else {})
 
     @property

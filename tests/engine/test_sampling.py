@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 
 from engine.sampling import Sampler, SamplingError, SamplingParams
+from engine.stage_loop import Delta
 from tests.engine.factories import random_prompts, tiny_llm
 
 
@@ -242,4 +243,7 @@ def test_logprobs_through_the_engine_cover_every_token(llm):
     assert llm.core.pool.is_fully_free()
     chunks = list(llm.stream(prompts[0], SamplingParams(max_tokens=9, temperature=0, logprobs=3, ignore_eos=True)))
     assert [lp for c in chunks for lp in c.delta_logprobs] == chunks[-1].logprobs == outs[0].logprobs
+    deltas = [Delta.from_output(c) for c in chunks]  # what a serving stage streams
+    assert all(len(d.logprobs) == len(d.token_ids) == 1 for d in deltas)
+    assert [lp for d in deltas for lp in d.logprobs] == outs[0].logprobs
     assert llm.core.pool.is_fully_free()
