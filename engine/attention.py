@@ -57,12 +57,13 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: BatchMetadata,
     scale: float,
+    decode_impl=None,  # a fused kernel for the decode part (engine.kernels), or None
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
     write_kv(kv_cache, k, v, meta)
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
+        out[:nd] = (decode_impl or _decode_attention)(q[:nd], kv_cache, meta, scale)
     for p in meta.prefills:
         s, n = p.query_start, p.num_queries
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -1,9 +1,12 @@
-"""Optional native kernels, compiled on first use and cached.
+"""The small ops the model is made of, in two implementations.
 
-The one kernel so far is a skinny bf16 matmul for decode on CPUs with
-AVX512-BF16 (see csrc/gemv_bf16.cpp). Where it cannot be built or the CPU
-lacks the instructions, `linear` is plain `F.linear`; results agree to bf16
-rounding either way.
+`TorchOps` is plain torch and is the reference (fp32 runs, GPUs, any CPU).
+`NativeOps` is for bf16 on CPUs with AVX512-BF16: C++ kernels compiled on
+first use and cached (csrc/): a skinny matmul for decode, residual add +
+RMSNorm, SiLU-and-multiply, rotary embedding in place, and decode attention
+read straight from the paged cache. Decode on a CPU is bound by per-op
+overhead as much as by memory, so fusing these is what makes it fast. Both
+agree to bf16 rounding (tests/engine/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# Past this many rows (tokens) the matmul is compute-bound and oneDNN's GEMM wins.
-MAX_SKINNY_ROWS = 32
-_SRC = Path(__file__).parent / "csrc" / "gemv_bf16.cpp"
+# Past this many rows (tokens) oneDNN's GEMM beats the skinny kernel (measured).
+MAX_SKINNY_ROWS = 4
+_SRCS = [Path(__file__).parent / "csrc" / n for n in ("gemv_bf16.cpp", "cpu_ops.cpp")]
 _lock = threading.Lock()
 _ext = None
 _tried = False
@@ -54,7 +57,7 @@ def load_gemv():
         try:
             from torch.utils.cpp_extension import load
 
-            _ext = load("kvrelay_gemv_bf16", [str(_SRC)], build_directory=str(_build_dir()),
+            _ext = load("kvrelay_cpu_ops", [str(p) for p in _SRCS], build_directory=str(_build_dir()),
                         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
                         verbose=False)
         except Exception as e:  # no compiler, no ninja, ...: the torch path still works
@@ -63,19 +66,74 @@ def load_gemv():
     return _ext
 
 
-def make_linear(dtype: torch.dtype, device: torch.device, enable: bool = True):
-    """`linear(x, w)` for a model: the skinny kernel for bf16 decode on CPU, else F.linear."""
-    ext = load_gemv() if enable and dtype == torch.bfloat16 and device.type == "cpu" else None
-    if ext is None:
-        return F.linear
-    gemv = ext.gemv_bf16
+class TorchOps:
+    """Reference implementations (any dtype, any device)."""
 
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    linear = staticmethod(F.linear)
+
+    @staticmethod
+    def add_rms_norm(x, delta, w, eps):
+        # x: [T, H] -> (x + delta, rms_norm(x + delta) * w)
+        x = x + delta
+        return x, F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(rotary, positions):
+        cos = rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = rotary.sin[positions].unsqueeze(1)
+        return lambda qk: rotary(qk, cos, sin)
+
+    decode_attention = None  # attention.py's torch path
+
+
+class NativeOps(TorchOps):
+    """bf16 on CPU through the compiled kernels."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def linear(self, x, w):
         # x: [T, K], w: [N, K] -> [T, N]
         if x.shape[0] <= MAX_SKINNY_ROWS and x.shape[1] % 32 == 0:
-            return gemv(x, w)
+            return self.ext.gemv_bf16(x, w)
         return F.linear(x, w)
-    return linear
+
+    # The elementwise kernels win where per-op overhead dominates (a few
+    # tokens); for larger batches torch's vectorized ops are as fast.
+    def add_rms_norm(self, x, delta, w, eps):
+        if x.shape[0] > MAX_SKINNY_ROWS:
+            return TorchOps.add_rms_norm(x, delta, w, eps)
+        return x, self.ext.add_rms_norm(x, delta.contiguous(), w, eps)  # x updated in place
+
+    def silu_mul(self, gate_up):
+        if gate_up.shape[0] > MAX_SKINNY_ROWS:
+            return TorchOps.silu_mul(gate_up)
+        return self.ext.silu_mul(gate_up.contiguous())
+
+    def rope(self, rotary, positions):
+        if positions.shape[0] > MAX_SKINNY_ROWS:
+            return TorchOps.rope(rotary, positions)
+        rope_ = self.ext.rope_
+
+        def apply(qk):
+            rope_(qk, rotary.cos, rotary.sin, positions)
+            return qk
+        return apply
+
+    def decode_attention(self, q, kv_cache, meta, scale):
+        return self.ext.paged_decode_attention(q.contiguous(), kv_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, scale)
+
+
+def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True):
+    """NativeOps for bf16 on a CPU that can run them, else TorchOps."""
+    ext = load_gemv() if enable and dtype == torch.bfloat16 and device.type == "cpu" else None
+    return NativeOps(ext) if ext is not None else TorchOps()
 
 
 if __name__ == "__main__":  # `python -m engine.kernels`: build ahead of time (make install does)

@@ -114,9 +114,9 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
-        from engine.kernels import make_linear
+        from engine.kernels import make_ops
 
-        self.linear = make_linear(dtype, self.device, enable=use_kernels)
+        self.ops = make_ops(dtype, self.device, enable=use_kernels)
 
     @torch.no_grad()
     def forward(
@@ -131,12 +131,12 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         T = input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rotary.sin[positions].unsqueeze(1)
+        ops = self.ops
+        linear = ops.linear
+        rope = ops.rope(self.rotary, positions)
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        linear = self.linear
+        h = F.rms_norm(x, (x.shape[-1],), self.layers[0].in_norm, eps)
         for i, L in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), L.in_norm, eps)
             qkv = linear(h, L.qkv_w)
             if L.qkv_b is not None:
                 qkv = qkv + L.qkv_b
@@ -145,20 +145,20 @@ class LlamaModel:
             if L.q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), L.q_norm, eps),
                                 F.rms_norm(qk[:, nh:], (hd,), L.k_norm, eps)], dim=1)
-            qk = self.rotary(qk, cos, sin)  # q and k rotated in one pass
+            qk = rope(qk)  # q and k rotated in one pass
             q, k = qk[:, :nh], qk[:, nh:]
-            attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale)  # [T, nh, hd]
+            attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale, ops.decode_attention)  # [T, nh, hd]
             if layer_hook is not None:
                 layer_hook(i)
-            x = x + linear(attn.view(T, self.q_size), L.o_w)
-            h = F.rms_norm(x, (x.shape[-1],), L.post_norm, eps)
-            gate, up = linear(h, L.gate_up_w).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, L.down_w)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, eps)
+            x, h = ops.add_rms_norm(x, linear(attn.view(T, self.q_size), L.o_w), L.post_norm, eps)
+            mlp = linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w)
+            next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
+        return h
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
 
 class _WeightTaker:

@@ -10,7 +10,7 @@
 
 namespace {
 
-constexpr int kRows = 4;  // weight rows per inner iteration
+constexpr int kRows = 16;  // weight rows per parallel work item
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -22,34 +22,38 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Rows [n0, n1) of y. Activations are taken kM at a time so each weight
-// vector loaded is used kM times from registers (4 x 4 accumulators).
+// Rows [n0, n1) of y, for M <= 4 activation rows. Weight rows are walked in
+// memory order (one sequential stream the prefetcher follows), each dotted
+// with every activation row; two accumulators per row break the add chain.
 template <int kM>
-inline void tile(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t K, int64_t N, int64_t m0,
-                 int64_t n, int64_t nr) {
-  __m512 acc[kRows][kM];
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kM; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xv[kM];
-    for (int j = 0; j < kM; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k);
-    for (int r = 0; r < kRows; ++r) {
-      if (r >= nr) break;
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
-      for (int j = 0; j < kM; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+inline void row_dot(const uint16_t* x, const uint16_t* wr, uint16_t* y, int64_t K, int64_t N, int64_t m0,
+                    int64_t n) {
+  __m512 a0[kM], a1[kM];
+  for (int j = 0; j < kM; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+    for (int j = 0; j < kM; ++j) {
+      a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k));
+      a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k + 32));
     }
   }
-  for (int r = 0; r < nr; ++r)
-    for (int j = 0; j < kM; ++j) y[(m0 + j) * N + n + r] = to_bf16(hsum(acc[r][j]));
+  for (; k < K; k += 32) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    for (int j = 0; j < kM; ++j)
+      a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k));
+  }
+  for (int j = 0; j < kM; ++j) y[(m0 + j) * N + n] = to_bf16(hsum(_mm512_add_ps(a0[j], a1[j])));
 }
 
 void rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t K, int64_t N,
           int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int64_t nr = std::min<int64_t>(kRows, N - n);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<4>(x, w, y, K, N, m, n, nr);
-    for (; m < M; ++m) tile<1>(x, w, y, K, N, m, n, nr);
+    for (; m + 4 <= M; m += 4) row_dot<4>(x, wr, y, K, N, m, n);
+    for (; m < M; ++m) row_dot<1>(x, wr, y, K, N, m, n);
   }
 }
 
@@ -73,4 +77,16 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gemv_bf16", &gemv_bf16); }
+torch::Tensor add_rms_norm(torch::Tensor x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void rope_(torch::Tensor qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions);
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
+                                     const torch::Tensor& lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_bf16", &gemv_bf16);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("rope_", &rope_);
+  m.def("paged_decode_attention", &paged_decode_attention);
+}
