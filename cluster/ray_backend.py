@@ -122,9 +122,13 @@ class RayBackend:
                 if prefill is None:
                     await decode.submit.remote(rid, ids, params)
                 else:
-                    ticket = await decode.reserve.remote(rid, ids, params)
+                    # the prompt starts computing while the decode replica reserves
+                    # its blocks; the ticket follows (one round trip off the TTFT)
+                    prefill_ref = prefill.prefill.remote(rid, ids, params, None)
                     watcher = asyncio.create_task(self._watch_prefill(
-                        prefill.prefill.remote(rid, ids, params, ticket), placement, decode, rid, prefill_box))
+                        prefill_ref, placement, decode, rid, prefill_box))
+                    ticket = await decode.reserve.remote(rid, ids, params)
+                    prefill.attach_ticket.remote(rid, ticket)
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(placement.decode_replica, e)
                 raise NoReplicaError(f"decode replica {placement.decode_replica} is down") from e

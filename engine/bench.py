@@ -174,6 +174,12 @@ token: transformers / kvrelay).
 """
 
 
+def write_section(new_section: str, path: Path = BENCHMARKS_FILE) -> None:
+    """Replace (or add) `new_section` in BENCHMARKS.md; see replace_section."""
+    old = path.read_text() if path.is_file() else ""
+    path.write_text(replace_section(old, new_section))
+
+
 def replace_section(text: str, new_section: str) -> str:
     """`text` with the section named by `new_section`'s first line (a `## `
     heading; up to the next `## ` heading) replaced by it, or with it appended.
@@ -250,10 +256,8 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     print(body)
     if args.write:
         command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
-        path = args.benchmarks_file
-        old = path.read_text() if path.is_file() else ""
-        path.write_text(replace_section(old, section(body, args, model_name, command.strip())))
-        print(f"wrote the '{SECTION}' section of {path}", file=sys.stderr)
+        write_section(section(body, args, model_name, command.strip()), args.benchmarks_file)
+        print(f"wrote the '{SECTION}' section of {args.benchmarks_file}", file=sys.stderr)
     return 0
 
 

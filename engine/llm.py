@@ -9,7 +9,6 @@ tokenization, detokenization and stop strings.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 

@@ -3,16 +3,20 @@
 Life-cycle of a request in a prefill replica:
 
 1. prefill(request, ticket): the sequence enters the engine's waiting queue
-   with the decode replica's ticket. While it waits, the ticket's lease is
-   renewed so the reserved blocks on the decode side are not reclaimed.
-                                                                   [waiting]
+   with the decode replica's ticket, or without one: the caller may start
+   the prompt while the decode replica is still reserving and attach the
+   ticket a moment later (attach_ticket), taking that round trip off the
+   time to first token. While it waits, the ticket's lease is renewed so
+   the reserved blocks on the decode side are not reclaimed.       [waiting]
 2. The engine batches prompts under the token budget, chunks long ones and
    reuses cached prefix blocks. When a batch holds a prompt's last chunk,
    the KV sender starts that transfer before the forward pass, and the
    per-layer hook pushes layer i as soon as it is written, while layer i+1
    computes.                                                  [transferring]
 3. The first token is sampled and committed; the prompt's blocks stay held,
-   since the sender still reads them.                          [committing]
+   since the sender still reads them. (A prompt that finished before its
+   ticket came is sent whole, all layers at once, when it comes.)
+                                                               [committing]
 4. The sender reports DONE or FAILED: the blocks are freed (full ones stay
    in the prefix cache) and the caller gets the first token or the error.
                                                                      [done]
@@ -53,6 +57,7 @@ class _Job:
     next_renew: float
     sending: bool = False
     compute_done: float | None = None
+    first_token: int | None = None  # sampled before the ticket came: send on attach
 
 
 class PrefillStage(StageLoop):
@@ -68,13 +73,15 @@ class PrefillStage(StageLoop):
         self.lease_s = float(opts.pop("lease_s", 30.0))
         self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
         self._jobs: dict[str, _Job] = {}
+        self._early_tickets: dict = {}  # attach_ticket() that overtook its prefill()
         super().__init__(replica_id, core, tokenizer)
 
     # ---- API (any thread) --------------------------------------------------
-    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket,
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
                 timeout_s: float = 600.0) -> PrefillResult:
-        """Compute the prompt and push its KV into ``ticket``'s blocks. Blocks
-        until the transfer is DONE or FAILED; returns the first token."""
+        """Compute the prompt and push its KV into ``ticket``'s blocks (None:
+        the ticket comes through attach_ticket). Blocks until the transfer is
+        DONE or FAILED; returns the first token."""
         self.core.check_prompt(prompt_token_ids, 1)
         fut: Future = Future()
         self.call(self._add, request_id, prompt_token_ids, params, ticket, fut)
@@ -84,11 +91,35 @@ class PrefillStage(StageLoop):
             self.abort(request_id)
             return PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
 
+    def attach_ticket(self, request_id: str, ticket) -> None:
+        """The decode replica's ticket for a prefill() started without one."""
+        self.post(self._attach, request_id, ticket)
+
     # ---- loop thread -------------------------------------------------------
     def _add(self, request_id, prompt_token_ids, params, ticket, fut) -> None:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
         self.core.add(seq)
+        ticket = ticket or self._early_tickets.pop(request_id, None)
         self._jobs[request_id] = _Job(seq, ticket, fut, time.monotonic() + self.lease_s / 3)
+
+    def _attach(self, request_id: str, ticket) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            self._early_tickets[request_id] = ticket
+            return
+        job.ticket = ticket
+        if job.first_token is not None:  # computed already: send it whole now
+            self._start_send(job)
+            for layer in range(len(self.core.kv_caches)):
+                self.sender.push_layer(request_id, layer)
+            self.sender.commit(request_id, job.first_token)
+
+    def _start_send(self, job: _Job) -> None:
+        seq = job.seq
+        with phase(KV_TRANSFER_START):
+            self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
+                              seq.num_prompt_tokens)
+        job.sending = True
 
     def _abort(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
@@ -98,21 +129,18 @@ class PrefillStage(StageLoop):
             self.sender.abort(request_id)  # poll() reports FAILED, then the blocks are freed
         else:
             self._jobs.pop(request_id)
-            self.core.abort(request_id)
+            if self.core.abort(request_id) is None:  # computed, waiting for its ticket
+                self.core.kv.free(job.seq)
             job.future.set_result(PrefillResult(request_id, "FAILED", error="aborted"))
 
     def _on_batch(self, sched: SchedulerOutput):
         starting = []
         for s in sched.scheduled:
             job = self._jobs.get(s.seq.request_id)
-            if job is None or not s.samples:
+            if job is None or not s.samples or job.ticket is None:
                 continue
-            seq = s.seq
-            with phase(KV_TRANSFER_START):
-                self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
-                                  seq.num_prompt_tokens)
-            job.sending = True
-            starting.append(seq.request_id)
+            self._start_send(job)
+            starting.append(job.seq.request_id)
         if not starting:
             return None
         push = self.sender.push_layer
@@ -130,9 +158,13 @@ class PrefillStage(StageLoop):
                 if job is None:
                     continue
                 job.compute_done = time.monotonic()
-                if out.seq.status == SequenceStatus.FINISHED_LENGTH:
-                    with phase(KV_COMMIT):
-                        self.sender.commit(out.seq.request_id, out.new_token_ids[0])
+                if out.seq.status != SequenceStatus.FINISHED_LENGTH:
+                    continue
+                if not job.sending:  # no ticket yet: _attach sends it
+                    job.first_token = out.new_token_ids[0]
+                    continue
+                with phase(KV_COMMIT):
+                    self.sender.commit(out.seq.request_id, out.new_token_ids[0])
             busy = True
         for result in self.sender.poll():
             job = self._jobs.pop(result.request_id, None)
@@ -169,7 +201,7 @@ class PrefillStage(StageLoop):
     def _renew_leases(self) -> None:
         now = time.monotonic()
         for job in self._jobs.values():
-            if not job.sending and now >= job.next_renew:
+            if not job.sending and job.ticket is not None and now >= job.next_renew:
                 self.sender.renew(job.ticket, self.lease_s)
                 job.next_renew = now + self.lease_s / 3
 

@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     table = compare_results(a, b)
     print(table)
     if args.write:
-        from engine.bench import BENCHMARKS_FILE, machine, replace_section
+        from engine.bench import machine, write_section
 
         cmd = "python -m cluster.bench.modes " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Disaggregated vs colocated\n\nSame 2 CPUs, same model ({args.dtype}), same workload: "
@@ -101,8 +101,7 @@ def main(argv=None) -> None:
                 f"Plots and per-request records: `{args.out}/<mode>/` (latency CDFs, goodput and p99 ITL "
                 f"against rate).\n\n- Command: `{cmd.strip()}`\n"
                 f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- Machine: {machine()}\n")
-        old = BENCHMARKS_FILE.read_text() if BENCHMARKS_FILE.exists() else ""
-        BENCHMARKS_FILE.write_text(replace_section(old, body))
+        write_section(body)
 
 
 if __name__ == "__main__":

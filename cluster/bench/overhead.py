@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     if args.write:
         import sys
 
-        from engine.bench import BENCHMARKS_FILE, machine, replace_section
+        from engine.bench import machine, write_section
 
         cmd = "python -m cluster.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Cluster overhead\n\nOne chat request (~40 prompt tokens, {args.max_tokens} new tokens, greedy, "
@@ -172,8 +172,7 @@ def main(argv=None) -> None:
                 f"then {args.concurrent} concurrent streams. Disaggregated: 1 prefill + 1 decode replica, one CPU "
                 f"each; colocated: 2 replicas, one CPU each.\n\n{text}\n\n- Command: `{cmd.strip()}`\n"
                 f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- Machine: {machine()}\n")
-        old = BENCHMARKS_FILE.read_text() if BENCHMARKS_FILE.exists() else ""
-        BENCHMARKS_FILE.write_text(replace_section(old, body))
+        write_section(body)
 
 
 if __name__ == "__main__":

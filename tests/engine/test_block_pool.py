@@ -8,7 +8,7 @@ from collections import Counter
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from engine.block_pool import BlockPool, NoFreeBlocksError, compute_block_hashes
 from engine.kv_manager import KVCacheManager
