@@ -112,7 +112,8 @@ class PrefillStage(StageLoop):
             self._start_send(job)
             for layer in range(len(self.core.kv_caches)):
                 self.sender.push_layer(request_id, layer)
-            self.sender.commit(request_id, job.first_token)
+            with phase(KV_COMMIT):
+                self.sender.commit(request_id, job.first_token)
 
     def _start_send(self, job: _Job) -> None:
         seq = job.seq

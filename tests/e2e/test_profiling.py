@@ -57,8 +57,9 @@ def test_profile_rpc_writes_one_trace_per_replica(cluster, tmp_path):
     for rid, t in by_replica.items():
         assert t.host and Path(t.path).parent == tmp_path and Path(t.path).name.startswith(f"{rid}-")
     prefill = _names(by_replica["prefill-0"].path)
-    assert {profiling.SCHEDULE, profiling.FORWARD, profiling.SAMPLE, profiling.UPDATE,
-            profiling.KV_TRANSFER_START, profiling.KV_COMMIT} <= prefill
+    want = {profiling.SCHEDULE, profiling.FORWARD, profiling.SAMPLE, profiling.UPDATE,
+            profiling.KV_TRANSFER_START, profiling.KV_COMMIT}
+    assert want <= prefill, want - prefill
     decode = _names(by_replica["decode-0"].path)
     assert {profiling.SCHEDULE, profiling.FORWARD, profiling.SAMPLE, profiling.RECEIVER_POLL} <= decode
     assert cluster.wait_pools_free() == {"prefill-0": True, "decode-0": True}
