@@ -36,7 +36,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="default: the rest of the context")
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the cluster a spec describes")
     p.add_argument("spec")
 
-    p = sub.add_parser("generate", help="complete a prompt")
+    p = sub.add_parser("generate", help="answer a prompt (as a chat turn; --raw for plain completion)")
     p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="complete the text as is instead of sending it as a user message through the chat template")
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--show-tokens", action="store_true", help="also print token ids and the finish reason")
     _sampling_args(p)
@@ -161,16 +163,17 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
     with _client(args) as client:
         if args.stream:
             token_ids, finish = [], None
-            for chunk in client.stream(args.prompt, **_sampling(args)):
+            for chunk in client.stream(**prompt, **_sampling(args)):
                 print(chunk.text, end="", flush=True)
                 token_ids.extend(chunk.token_ids)
                 finish = chunk.finish_reason or finish
             print()
         else:
-            result = client.generate(args.prompt, **_sampling(args))
+            result = client.generate(**prompt, **_sampling(args))
             print(result.text)
             token_ids, finish = result.token_ids, result.finish_reason
     if args.show_tokens:

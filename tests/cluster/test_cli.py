@@ -42,12 +42,17 @@ def test_python_dash_m_cluster_is_the_same_command(tmp_path):
 
 
 def test_client_commands(served, capsys):
-    assert main(["generate", "hello world", "--target", served.target, "--max-tokens", "2", "--show-tokens"]) == 0
+    assert main(["generate", "hello world", "--raw", "--target", served.target, "--max-tokens", "2",
+                 "--show-tokens"]) == 0
     out = capsys.readouterr().out
     assert "<s> hello" in out and "finish: length" in out and "[1, 6]" in out
 
-    assert main(["generate", "hello", "--target", served.target, "--stream", "--temperature", "0"]) == 0
+    assert main(["generate", "hello", "--raw", "--target", served.target, "--stream"]) == 0
     assert capsys.readouterr().out == "<s> hello \n"
+
+    # without --raw the prompt is a user turn through the chat template
+    assert main(["generate", "hello", "--target", served.target, "--max-tokens", "2"]) == 0
+    assert "<|user|>" in capsys.readouterr().out
 
     assert main(["generate", "hello", "--target", served.target, "--max-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT: max_tokens: must be >= 1" in capsys.readouterr().err
