@@ -1,4 +1,5 @@
-"""Regenerate the Python modules for protos/kvrelay/**/*.proto.
+"""Regenerate the Python modules of every .proto: protos/kvrelay/**/*.proto
+(the serving API) and protos/*.proto (the KV transfer protocol).
 
     python protos/generate.py            # in place
     python protos/generate.py --out DIR  # elsewhere (the staleness test)
@@ -40,6 +41,27 @@ def generate(out_dir: Path) -> list[Path]:
             path = Path(f"{stem}{suffix}")
             path.write_text(_fix_imports(path.read_text()))
             written.append(path)
+    written += _generate_internal(out_dir)
+    return written
+
+
+def _generate_internal(out_dir: Path) -> list[Path]:
+    """protos/*.proto keep the proto path `protos/x.proto` (imports `from protos import x_pb2`)."""
+    import tempfile
+
+    from grpc_tools import protoc
+
+    written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for proto in sorted(PROTO_ROOT.glob("*.proto")):
+            args = ["protoc", f"-I{PROTO_ROOT.parent}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
+                    str(proto)]
+            if protoc.main(args) != 0:
+                raise RuntimeError(f"protoc failed: {' '.join(args)}")
+        for src in sorted(Path(tmp, PACKAGE).glob("*.py")):
+            dst = out_dir / src.name
+            dst.write_text(src.read_text())
+            written.append(dst)
     return written
 
 

@@ -1,4 +1,0 @@
-def test_generated_code_is_current():
-    from protos.gen import stale_files
-
-    assert stale_files() == [], "run: python -m protos.gen"
