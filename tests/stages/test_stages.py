@@ -1,0 +1,102 @@
+"""The prefill and decode stages in one process over the `local` transport:
+a disaggregated request equals the offline engine's, whether its ticket
+comes before the prompt is computed or after, and aborts at any point leave
+both pools free."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from decode.stage import DecodeStage
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from prefill.stage import PrefillStage
+from tests.engine.factories import random_prompts, save_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(d, "llama")
+    return d
+
+
+@pytest.fixture
+def stages(model_dir):
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    decode = DecodeStage("decode-0", str(model_dir), cfg, {"backend": "local", "secret": "s", "lease_s": 10})
+    prefill = PrefillStage("prefill-0", str(model_dir), cfg, {"secret": "s", "lease_s": 10, "deadline_s": 10})
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def _collect(decode, rid):
+    ids, finish = [], None
+    for batch in decode.stream(rid, timeout_s=30):
+        for d in batch:
+            ids.extend(d.token_ids)
+            finish = d.finish_reason or finish
+    return ids, finish
+
+
+def _wait_free(*stages_, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(s.is_fully_free() for s in stages_):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("ticket_first", [True, False], ids=["ticket-first", "ticket-after-prefill"])
+def test_disaggregated_request_equals_engine(model_dir, stages, ticket_first):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill, decode = stages
+    prompts = random_prompts(3, 96, [5, 40, 17], seed=3)
+    ref = LLM(str(model_dir), dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)
+    with ThreadPoolExecutor(3) as pool:
+        for i, p in enumerate(prompts):
+            rid = f"r{i}-{ticket_first}"
+            if ticket_first:
+                ticket = decode.reserve(rid, p, GREEDY)
+                fut = pool.submit(prefill.prefill, rid, p, GREEDY, ticket)
+            else:
+                fut = pool.submit(prefill.prefill, rid, p, GREEDY, None)
+                time.sleep(0.3)  # the prompt is computed before the ticket exists
+                prefill.attach_ticket(rid, decode.reserve(rid, p, GREEDY))
+            ids, finish = _collect(decode, rid)
+            assert fut.result(timeout=30).status == "DONE"
+            assert ids == ref[i].token_ids and finish == "length"
+    assert _wait_free(prefill, decode)
+
+
+def test_abort_while_waiting_for_the_ticket_frees_the_prompt(stages):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill, decode = stages
+    p = random_prompts(1, 96, [40], seed=4)[0]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(prefill.prefill, "gone", p, GREEDY, None)
+        time.sleep(0.3)  # computed, holding its blocks, no ticket
+        assert not prefill.is_fully_free()
+        prefill.abort("gone")
+        result = fut.result(timeout=30)
+    assert result.status == "FAILED" and "abort" in result.error
+    assert _wait_free(prefill, decode)
+
+
+def test_decode_abort_before_the_kv_lands_frees_the_reservation(stages):
+    prefill, decode = stages
+    p = random_prompts(1, 96, [30], seed=5)[0]
+    decode.reserve("r", p, GREEDY)
+    assert not decode.is_fully_free()
+    decode.abort("r")
+    ids, finish = _collect(decode, "r")
+    assert finish == "abort" and ids == []
+    assert _wait_free(prefill, decode)
