@@ -58,11 +58,8 @@ def test_finished_delta_carries_wall_times_in_order(stage):
 
 def test_phase_is_a_shared_no_op_when_nobody_profiles():
     assert not profiling._is_on
+    # one shared context object, nothing allocated or recorded per phase (its cost
+    # is measured in BENCHMARKS-style microbenchmarks, not asserted in a timed test)
     assert profiling.phase(profiling.FORWARD) is profiling.phase(profiling.SAMPLE)
-    n = 200_000
-    t = time.perf_counter()
-    for _ in range(n):
-        with profiling.phase(profiling.FORWARD):
-            pass
-    per_call = (time.perf_counter() - t) / n
-    assert per_call < 5e-6  # a fraction of a microsecond normally; generous on a loaded machine
+    with profiling.phase(profiling.FORWARD):
+        assert not profiling._is_on
