@@ -25,8 +25,9 @@ from engine.config import EngineConfig
 from engine.kv_cache import model_fingerprint
 from engine.profiling import RECEIVER_POLL, phase
 from engine.sampling import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.stage_loop import Delta, StageLoop, load_engine
+from engine.core import StepOutput
+from engine.sequence import Sequence
+from engine.stage_loop import StageLoop, load_engine
 
 
 class DecodeStage(StageLoop):
@@ -125,10 +126,10 @@ class DecodeStage(StageLoop):
             torch.empty(self.core.model_config.vocab_size).exponential_(generator=seq.generator)
         self.core.add_prefilled(seq)
         self.outputs.add(seq)
-        first = self.core.scheduler._check_stop(seq, first_token)
-        if first is not None:
-            self.core.finish(seq, first)
-        self.emit_outputs([_Produced(seq)])
+        stop = self.core.scheduler.check_stop(seq, first_token)
+        if stop is not None:
+            self.core.finish(seq, stop)
+        self.emit_outputs([StepOutput(seq, [first_token], seq.is_finished)])
 
     def _has_pending(self) -> bool:
         return bool(self._incoming)
@@ -142,17 +143,5 @@ class DecodeStage(StageLoop):
 
     def _snapshot_load(self) -> dict:
         load = super()._snapshot_load()
-        load["num_incoming"] = len(getattr(self, "_incoming", ()))
+        load["num_incoming"] = len(self._incoming)
         return load
-
-
-class _Produced:
-    """A step output for the first token, which came from the prefill replica."""
-
-    def __init__(self, seq: Sequence):
-        self.seq = seq
-        self.new_token_ids = [seq.output_token_ids[-1]]
-        self.finished = seq.is_finished
-
-
-__all__ = ["DecodeStage", "Delta", "SequenceStatus"]

@@ -7,7 +7,7 @@ the few fields it needs from it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # HF `architectures[0]` / `model_type` -> our family name.
@@ -142,7 +142,6 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

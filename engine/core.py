@@ -25,11 +25,9 @@ def pick_dtype(name: str, device: str) -> str:
         return name
     if device.startswith("cuda"):
         return "bfloat16"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    from engine.kernels import cpu_runs_bf16_fast
+
+    return "bfloat16" if cpu_runs_bf16_fast() else "float32"
 
 
 @dataclass

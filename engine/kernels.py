@@ -28,11 +28,21 @@ _ext = None
 _tried = False
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_flags() -> str:
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_runs_bf16_fast() -> bool:
+    """AVX512-BF16 or AMX: where bf16 beats fp32 on this CPU (measured)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _build_dir() -> Path:
@@ -43,7 +53,7 @@ def _build_dir() -> Path:
     return d
 
 
-def load_gemv():
+def load_native_ops():
     """The compiled extension, or None where it is unavailable (never raises)."""
     global _ext, _tried
     if _tried:
@@ -132,12 +142,12 @@ class NativeOps(TorchOps):
 
 def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True):
     """NativeOps for bf16 on a CPU that can run them, else TorchOps."""
-    ext = load_gemv() if enable and dtype == torch.bfloat16 and device.type == "cpu" else None
+    ext = load_native_ops() if enable and dtype == torch.bfloat16 and device.type == "cpu" else None
     return NativeOps(ext) if ext is not None else TorchOps()
 
 
 if __name__ == "__main__":  # `python -m engine.kernels`: build ahead of time (make install does)
     logging.basicConfig(level=logging.INFO)
-    ok = load_gemv() is not None
-    print("bf16 decode kernel:", "built" if ok else "not available on this machine")
+    ok = load_native_ops() is not None
+    print("bf16 CPU kernels:", "built" if ok else "not available on this machine")
     os._exit(0)

@@ -10,7 +10,7 @@ values). A transfer moves whole slabs; it never reshapes.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -88,7 +88,3 @@ def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -
         "tp_size": str(tp_size),
     }
     return fp
-
-
-def spec_to_dict(spec: KVCacheSpec) -> dict:
-    return asdict(spec)

@@ -77,7 +77,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -93,7 +92,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
-                scheduled_ids.add(seq.request_id)
                 budget -= n
                 i += 1
                 continue
@@ -146,12 +144,13 @@ class Scheduler:
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs)
             produced.append(seq)
-            status = self._check_stop(seq, token)
+            status = self.check_stop(seq, token)
             if status is not None:
                 self.finish(seq, status)
         return produced
 
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """How ``token``, just appended, ends ``seq``; None if it goes on."""
         p = seq.params
         if seq.prefill_only:
             return SequenceStatus.FINISHED_LENGTH

@@ -274,12 +274,12 @@ class StageLoop:
     def _snapshot_load(self) -> dict:
         load = self.core.load()
         load["replica_id"] = self.replica_id
-        load["is_alive"] = self._fatal is None if hasattr(self, "_fatal") else True
+        load["is_alive"] = self._fatal is None
         return load
 
     def load(self) -> dict:
         """The latest load snapshot (taken by the loop thread after each round)."""
-        return dict(self._load, is_alive=self._fatal is None)
+        return dict(self._load, is_alive=self._fatal is None)  # a dead loop takes no more snapshots
 
     def is_fully_free(self) -> bool:
         return self.call(lambda: self.core.pool.is_fully_free() and not self.core.has_unfinished())

@@ -220,5 +220,5 @@ class PrefillStage(StageLoop):
 
     def _snapshot_load(self) -> dict:
         load = super()._snapshot_load()
-        load["num_sending"] = sum(j.sending for j in getattr(self, "_jobs", {}).values())
+        load["num_sending"] = sum(j.sending for j in self._jobs.values())
         return load

@@ -147,3 +147,18 @@ def served(echo_server):
     echo_server.backend.reset()
     yield echo_server
     assert not echo_server.backend.running, "a request was left running in the backend"
+
+
+@pytest.fixture
+def tls_cert(tmp_path):
+    """A self-signed certificate for 127.0.0.1 / localhost: (cert path, key path)."""
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {made.stderr.decode()[-200:]}")
+    return cert, key

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import BatchMetadata, _decode_attention
-from engine.kernels import NativeOps, TorchOps, cpu_has_avx512_bf16, load_gemv
+from engine.kernels import NativeOps, TorchOps, cpu_has_avx512_bf16, load_native_ops
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16")
 
 
 @pytest.fixture(scope="module")
 def native():
-    ext = load_gemv()
+    ext = load_native_ops()
     assert ext is not None, "the kernels should build on a CPU with AVX512-BF16"
     return NativeOps(ext)
 
