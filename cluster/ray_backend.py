@@ -133,12 +133,10 @@ class RayBackend:
                 self._mark_dead(placement.decode_replica, e)
                 raise NoReplicaError(f"decode replica {placement.decode_replica} is down") from e
             stream = decode.stream.options(num_returns="streaming").remote(rid)
-            t_first = True
             try:
                 async for ref in stream:
                     for d in await ref:
-                        delta = self._to_delta(d, prefill_box if t_first else None)
-                        t_first = False
+                        delta = self._to_delta(d)
                         if delta.finish_reason is not None:
                             finished = True
                             if watcher is not None:
@@ -201,7 +199,7 @@ class RayBackend:
                             int(t.get("kv_transfer_bytes", 0)), 0 if result.status == "DONE" else 1)
 
     @staticmethod
-    def _to_delta(d, prefill_box: dict | None) -> GenerateDelta:
+    def _to_delta(d) -> GenerateDelta:
         finish = FinishReason(d.finish_reason) if d.finish_reason else None
         logprobs = _logprobs(d.logprobs, d.token_ids)
         return GenerateDelta(d.request_id, list(d.token_ids), d.text, finish, logprobs,
