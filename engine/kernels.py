@@ -3,10 +3,11 @@
 `TorchOps` is plain torch and is the reference (fp32 runs, GPUs, any CPU).
 `NativeOps` is for bf16 on CPUs with AVX512-BF16: C++ kernels compiled on
 first use and cached (csrc/): a skinny matmul for decode, residual add +
-RMSNorm, SiLU-and-multiply, rotary embedding in place, and decode attention
-read straight from the paged cache. Decode on a CPU is bound by per-op
-overhead as much as by memory, so fusing these is what makes it fast. Both
-agree to bf16 rounding (tests/engine/test_kernels.py).
+RMSNorm, SiLU-and-multiply, rotary embedding in place, decode attention read
+straight from the paged cache, and `FusedDecoder`, which runs the whole layer
+stack for a batch of decode tokens in one call. Decode on a CPU is bound by
+per-op overhead as much as by memory, so fusing these is what makes it fast.
+Both agree to bf16 rounding (tests/engine/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ log = logging.getLogger(__name__)
 
 # Past this many rows (tokens) oneDNN's GEMM beats the skinny kernel (measured).
 MAX_SKINNY_ROWS = 4
-_SRCS = [Path(__file__).parent / "csrc" / n for n in ("gemv_bf16.cpp", "cpu_ops.cpp")]
+# Decode batches up to this many tokens run through FusedDecoder.
+MAX_FUSED_ROWS = 256
+_CSRC = Path(__file__).parent / "csrc"
+_SRCS = [_CSRC / n for n in ("gemv_bf16.cpp", "cpu_ops.cpp", "decode_step.cpp")]
 _lock = threading.Lock()
 _ext = None
 _tried = False
@@ -68,6 +72,7 @@ def load_native_ops():
             from torch.utils.cpp_extension import load
 
             _ext = load("kvrelay_cpu_ops", [str(p) for p in _SRCS], build_directory=str(_build_dir()),
+                        extra_include_paths=[str(_CSRC)],
                         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
                         verbose=False)
         except Exception as e:  # no compiler, no ninja, ...: the torch path still works
@@ -80,6 +85,18 @@ class TorchOps:
     """Reference implementations (any dtype, any device)."""
 
     linear = staticmethod(F.linear)
+
+    @staticmethod
+    def logits(hidden, lm_head):  # [N, H] -> [N, vocab] float32
+        return F.linear(hidden, lm_head).float()
+
+    @staticmethod
+    def fused_decoder(model):
+        return None
+
+    @staticmethod
+    def rms_norm(x, w, eps):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     @staticmethod
     def add_rms_norm(x, delta, w, eps):
@@ -113,8 +130,27 @@ class NativeOps(TorchOps):
             return self.ext.gemv_bf16(x, w)
         return F.linear(x, w)
 
+    def logits(self, hidden, lm_head):
+        if hidden.shape[0] <= MAX_SKINNY_ROWS and hidden.shape[1] % 32 == 0:
+            return self.ext.gemv_bf16_f32(hidden, lm_head, threads=decode_threads(hidden.shape[0]))
+        return F.linear(hidden, lm_head).float()
+
+    def fused_decoder(self, model):
+        """A FusedDecoder over `model`'s weights (engine.model.LlamaModel)."""
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        layers = [[L.in_norm, L.post_norm, L.qkv_w, _or(L.qkv_b, empty), L.o_w, L.gate_up_w, L.down_w,
+                   _or(L.q_norm, empty), _or(L.k_norm, empty)] for L in model.layers]
+        cfg = model.cfg
+        return self.ext.FusedDecoder(layers, model.norm, model.rotary.cos, model.rotary.sin, cfg.num_heads,
+                                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale, MAX_SKINNY_ROWS)
+
     # The elementwise kernels win where per-op overhead dominates (a few
     # tokens); for larger batches torch's vectorized ops are as fast.
+    def rms_norm(self, x, w, eps):
+        if x.shape[0] > MAX_SKINNY_ROWS:
+            return TorchOps.rms_norm(x, w, eps)
+        return self.ext.add_rms_norm(x, None, w, eps)
+
     def add_rms_norm(self, x, delta, w, eps):
         if x.shape[0] > MAX_SKINNY_ROWS:
             return TorchOps.add_rms_norm(x, delta, w, eps)
@@ -138,6 +174,19 @@ class NativeOps(TorchOps):
     def decode_attention(self, q, kv_cache, meta, scale):
         return self.ext.paged_decode_attention(q.contiguous(), kv_cache, meta.decode_block_tables,
                                                meta.decode_context_lens, scale)
+
+
+def _or(t, default):
+    return default if t is None else t
+
+
+def decode_threads(rows: int) -> int:
+    """Threads for a decode step of `rows` tokens. A few rows are bound by
+    reading the weights, which one core does at about the machine's memory
+    bandwidth (measured), so they run on the calling thread: no fork/join per
+    op and no spinning workers to lose to other processes. More rows are bound
+    by arithmetic and use every intra-op thread."""
+    return 1 if rows <= MAX_SKINNY_ROWS else torch.get_num_threads()
 
 
 def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import BatchMetadata, paged_attention
 from engine.config import ConfigError, ModelConfig
+from engine.kernels import MAX_FUSED_ROWS, decode_threads
 
 LayerHook = Callable[[int], None]
 
@@ -117,6 +118,7 @@ class LlamaModel:
         from engine.kernels import make_ops
 
         self.ops = make_ops(dtype, self.device, enable=use_kernels)
+        self.fused = self.ops.fused_decoder(self)  # None: every batch takes the per-op path
 
     @torch.no_grad()
     def forward(
@@ -132,10 +134,15 @@ class LlamaModel:
         T = input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ops = self.ops
+        if (self.fused is not None and not meta.prefills and layer_hook is None and T <= MAX_FUSED_ROWS):
+            # a batch of decode tokens only: the whole stack in one native call
+            return self.fused.forward(F.embedding(input_ids, self.embed), positions, meta.slot_blocks,
+                                      meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens,
+                                      kv_caches, decode_threads(T))
         linear = ops.linear
         rope = ops.rope(self.rotary, positions)
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        h = F.rms_norm(x, (x.shape[-1],), self.layers[0].in_norm, eps)
+        h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         for i, L in enumerate(self.layers):
             qkv = linear(h, L.qkv_w)
             if L.qkv_b is not None:
@@ -158,7 +165,7 @@ class LlamaModel:
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.ops.linear(hidden, self.lm_head).float()
+        return self.ops.logits(hidden, self.lm_head)
 
 
 class _WeightTaker:

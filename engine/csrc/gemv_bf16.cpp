@@ -3,31 +3,32 @@
 // y[M, N] = x[M, K] @ w[N, K]^T for small M (decode batches): every weight row
 // is read from memory once and dotted with all M activation rows while it sits
 // in L1, with fp32 accumulation (vdpbf16ps). Decode is bound by reading the
-// weights, so this is what sets single-stream speed.
+// weights, so this is what sets single-stream speed. Weight rows are walked in
+// memory order, one row at a time: on the machines measured, one sequential
+// stream per core is what the hardware prefetcher follows at full bandwidth
+// (four interleaved row streams ran at half of it), and one core alone reads
+// at about the machine's memory bandwidth.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstring>
+
+#include "ops.h"
+
+namespace kvrelay {
 namespace {
 
 constexpr int kRows = 16;  // weight rows per parallel work item
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+inline void store(bf16* y, float v) { y[0] = bf16(v); }  // round to nearest even
+inline void store(float* y, float v) { y[0] = v; }
 
-// Rows [n0, n1) of y, for M <= 4 activation rows. Weight rows are walked in
-// memory order (one sequential stream the prefetcher follows), each dotted
-// with every activation row; two accumulators per row break the add chain.
-template <int kM>
-inline void row_dot(const uint16_t* x, const uint16_t* wr, uint16_t* y, int64_t K, int64_t N, int64_t m0,
-                    int64_t n) {
+// Row n of w dotted with activation rows [m0, m0 + kM); two accumulators per
+// activation row break the add chain.
+template <int kM, class Out>
+inline void row_dot(const bf16* x, const bf16* wr, Out* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
   __m512 a0[kM], a1[kM];
   for (int j = 0; j < kM; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -44,49 +45,64 @@ inline void row_dot(const uint16_t* x, const uint16_t* wr, uint16_t* y, int64_t 
     for (int j = 0; j < kM; ++j)
       a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k));
   }
-  for (int j = 0; j < kM; ++j) y[(m0 + j) * N + n] = to_bf16(hsum(_mm512_add_ps(a0[j], a1[j])));
+  for (int j = 0; j < kM; ++j) store(y + (m0 + j) * N + n, hsum(_mm512_add_ps(a0[j], a1[j])));
 }
 
-void rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t K, int64_t N,
-          int64_t n0, int64_t n1) {
+template <class Out>
+void rows(const bf16* x, const bf16* w, Out* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * K;
+    const bf16* wr = w + n * K;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) row_dot<4>(x, wr, y, K, N, m, n);
+    for (; m + 2 <= M; m += 2) row_dot<2>(x, wr, y, K, N, m, n);
     for (; m < M; ++m) row_dot<1>(x, wr, y, K, N, m, n);
   }
 }
 
+template <class Out>
+void gemv_impl(const bf16* x, const bf16* w, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  par_for(blocks, 16, threads, [&](int64_t b0, int64_t b1) {
+    rows(x, w, y, M, K, N, b0 * kRows, std::min<int64_t>(b1 * kRows, N));
+  });
+}
+
 }  // namespace
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes");
-  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+void gemv(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
+  gemv_impl(x, w, y, M, K, N, threads);
+}
+
+void gemv_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads) {
+  gemv_impl(x, w, y, M, K, N, threads);
+}
+
+}  // namespace kvrelay
+
+namespace {
+void check_gemv_args(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.size(1) % 32 == 0, "gemv: K must be a multiple of 32");
+}
+}  // namespace
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads) {
+  check_gemv_args(x, w);
   auto xc = x.contiguous();
   auto wc = w.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto y = torch::empty({M, N}, xc.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    rows(xp, wp, yp, M, K, N, b0 * kRows, std::min<int64_t>(b1 * kRows, N));
-  });
+  auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options());
+  kvrelay::gemv(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<kvrelay::bf16>(),
+                xc.size(0), xc.size(1), wc.size(0), static_cast<int>(threads));
   return y;
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-void rope_(torch::Tensor qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions);
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
-                                     const torch::Tensor& lens, double scale);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("silu_mul", &silu_mul);
-  m.def("rope_", &rope_);
-  m.def("paged_decode_attention", &paged_decode_attention);
+torch::Tensor gemv_bf16_f32(const torch::Tensor& x, const torch::Tensor& w, int64_t threads) {
+  check_gemv_args(x, w);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options().dtype(at::kFloat));
+  kvrelay::gemv_f32(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<float>(),
+                    xc.size(0), xc.size(1), wc.size(0), static_cast<int>(threads));
+  return y;
 }

@@ -92,3 +92,81 @@ def test_bf16_default_model_still_answers(default_model_dir):
                    SamplingParams(max_tokens=16, temperature=0))[0]
     assert "Paris" in out.text
     assert llm.core.pool.is_fully_free()
+
+
+# ---- the fused decode step ------------------------------------------------------
+
+def _decode_batch(model, kv_caches, ctx_lens, block_size=16, seed=0):
+    """Prefill random contexts of the given lengths (per-op path), then build
+    the next decode step for all of them: (ids, positions, meta)."""
+    from engine.attention import BatchMetadata, PrefillChunk
+
+    g = torch.Generator().manual_seed(seed)
+    max_nb = max(-(-(n + 1) // block_size) for n in ctx_lens)
+    tables = torch.zeros(len(ctx_lens), max_nb, dtype=torch.long)
+    perm = torch.randperm(kv_caches[0].shape[0] - 1, generator=g) + 1
+    for r, n in enumerate(ctx_lens):  # scattered blocks, one sequence's after another's
+        nb = -(-(n + 1) // block_size)
+        tables[r, :nb] = perm[r * max_nb: r * max_nb + nb]
+    vocab = model.cfg.vocab_size
+    for r, n in enumerate(ctx_lens):
+        pos = torch.arange(n)
+        meta = BatchMetadata(tables[r][pos // block_size], pos % block_size)
+        meta.prefills.append(PrefillChunk(0, n, n, tables[r]))
+        model.forward(torch.randint(3, vocab, (n,), generator=g), pos, meta, kv_caches)
+    pos = torch.tensor(ctx_lens)
+    meta = BatchMetadata(tables[torch.arange(len(ctx_lens)), pos // block_size], pos % block_size,
+                         num_decode=len(ctx_lens), decode_block_tables=tables, decode_context_lens=pos + 1)
+    if int(pos.min()) + 1 != max_nb * block_size:
+        meta.decode_mask = (torch.arange(max_nb * block_size)[None] < (pos + 1)[:, None])[:, None, None, :]
+    return torch.randint(3, vocab, (len(ctx_lens),), generator=g), pos, meta
+
+
+def _fused_and_per_op(model, kv_caches, ctx_lens):
+    ids, pos, meta = _decode_batch(model, kv_caches, ctx_lens)
+    per_op_kv = [c.clone() for c in kv_caches]
+    fused = model.fused
+    assert fused is not None, "bf16 on this CPU should take the fused decode path"
+    got = model.forward(ids, pos, meta, kv_caches)
+    model.fused = None
+    try:
+        ref = model.forward(ids, pos, meta, per_op_kv)
+    finally:
+        model.fused = fused
+    return got, ref, kv_caches, per_op_kv
+
+
+@pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128]])
+def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens):
+    """Up to 4 decode tokens, the fused step runs the very kernels of the
+    per-op path in the same order: same hidden states, same KV writes."""
+    from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+    from engine.model import LlamaModel
+    from engine.weights import load_checkpoint
+
+    cfg, weights = load_checkpoint(default_model_dir, torch.bfloat16)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=512)
+    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 64)
+    got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, ctx_lens)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_p))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind):
+    """16 decode tokens (torch's GEMM inside), qkv bias (Qwen2), q/k norm and
+    a head size the vector kernels skip (Qwen3): agree to bf16 rounding."""
+    from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+    from engine.model import LlamaModel
+    from engine.weights import load_checkpoint
+    from tests.engine.factories import save_tiny_model
+
+    save_tiny_model(tmp_path, kind)
+    cfg, weights = load_checkpoint(tmp_path, torch.bfloat16)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128)
+    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 128)
+    lens = [1, 7, 16, 17, 30, 31, 32, 33, 40, 50, 60, 64, 65, 70, 80, 99]
+    got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, lens)
+    _close(got, ref, atol=5e-2)
+    for a, b in zip(kv_f, kv_p):
+        _close(a, b, atol=5e-2)

@@ -209,15 +209,27 @@ def test_deltas_add_up_to_the_full_decode(tok, text, prompt, chunk):
 
 
 @settings(max_examples=60, deadline=None)
+@example(text="a😀a", stop=["😀", "a😀a"], chunk=1)  # the later-starting stop string completes first
 @given(text=st.text(alphabet="ab \n😀", max_size=30),
        stop=st.lists(st.text(alphabet="ab \n😀", min_size=1, max_size=3), max_size=3),
        chunk=st.integers(1, 3))
 def test_output_ends_before_the_first_stop_string(tok, text, stop, chunk):
+    """Generation stops at the first stop string to appear: the output is the
+    text up to where some stop string begins, holds no stop string, and is cut
+    no later than the point where the earliest-completing stop string ends.
+    (When one delta completes several stop strings, any of them may cut.)"""
     ids = tok.encode(text, add_special_tokens=False)
     full = tok.decode(ids)
-    hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+    ends = [i + len(s) for s, i in ((s, full.find(s)) for s in stop) if i >= 0]
 
     deltas, det = stream(tok, ids, chunk=chunk, stop=stop)
 
-    assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
-    assert det.stopped == bool(hits)
+    out = det.text
+    assert "".join(deltas) == out and full.startswith(out)
+    assert not any(s in out for s in stop)
+    assert det.stopped == bool(ends)
+    if ends:
+        assert any(full.startswith(s, len(out)) for s in stop)  # cut where a stop string begins
+        assert len(out) < min(ends)  # ... one that had appeared by the first completion
+    else:
+        assert out == full

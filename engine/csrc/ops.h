@@ -1,0 +1,42 @@
+// Raw bf16 CPU kernels shared by the per-op wrappers (cpu_ops.cpp,
+// gemv_bf16.cpp) and the fused decode step (decode_step.cpp). Every kernel
+// takes `threads`: 1 runs it on the calling thread (no fork/join, no spinning
+// workers), more runs it on torch's intra-op pool.
+#pragma once
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cstdint>
+
+namespace kvrelay {
+using bf16 = c10::BFloat16;
+
+template <class F>
+inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
+  if (n <= 0) return;
+  if (threads <= 1 || n <= grain) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  at::parallel_for(0, n, grain, fn);
+}
+
+// y[M, N] = x[M, K] @ w[N, K]^T, K a multiple of 32, rows of x/y contiguous.
+void gemv(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
+// Same, fp32 output (the LM head: logits stay fp32).
+void gemv_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads);
+// x += delta (skipped when delta is null), out = rms_norm(x) * w; [T, H].
+void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
+                  int threads);
+// RMSNorm of each head vector in place: x rows of `D` at x + t*s0 + h*D.
+void head_rms_norm(bf16* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const bf16* w, float eps, int threads);
+// gate_up [T, 2I] -> silu(gate) * up [T, I].
+void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads);
+// Rotate heads in place (rotate-half layout); head h of token t at x + t*s0 + h*s1.
+void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const bf16* cos, const bf16* sin,
+          const int64_t* positions, int threads);
+// One query per sequence against its paged context. q [B, H, D] (row stride qs0),
+// kv [NB, 2, BS, Hkv, D], tables [B, maxnb], lens [B]; out [B, H, D] (row stride os0).
+void decode_attention(const bf16* q, int64_t qs0, const bf16* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
+                      int64_t maxnb, const int64_t* lens, bf16* out, int64_t os0, int64_t B, int64_t H, int64_t D,
+                      float scale, int threads);
+}  // namespace kvrelay
