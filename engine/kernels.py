@@ -50,9 +50,17 @@ def cpu_runs_bf16_fast() -> bool:
 
 
 def _build_dir() -> Path:
+    """One folder per (torch version, kernel sources): checkouts with other
+    sources (another version, a work tree) never rebuild over each other."""
+    import hashlib
+
     from engine.weights import default_cache_dir
 
-    d = default_cache_dir() / "kernels" / f"torch-{torch.__version__.replace('+', '_')}"
+    h = hashlib.sha256()
+    for p in sorted(_CSRC.iterdir()):
+        if p.suffix in (".cpp", ".h"):
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+    d = default_cache_dir() / "kernels" / f"torch-{torch.__version__.replace('+', '_')}-{h.hexdigest()[:12]}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
