@@ -93,6 +93,71 @@ def bench_kvrelay(llm, prompt: list[int], batch: list[list[int]], new: int) -> F
     return Figures(decode, statistics.median(ttfts), len(batch) * new / wall)
 
 
+@dataclass
+class Breakdown:
+    step_ms: float  # one single-stream decode step, end to end
+    layers_ms: float  # the decoder stack (model.forward)
+    head_ms: float  # the LM head (compute_logits)
+    weight_mb: float  # bytes read per step: every weight once
+    read_gb_s: float  # this machine's read bandwidth, measured alongside
+
+    @property
+    def bound_tok_s(self) -> float:
+        return self.read_gb_s * 1e3 / self.weight_mb
+
+
+def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
+    """Where a single-stream decode step goes: time the model's two calls
+    inside a real generate (one-token steps only), the rest is scheduling,
+    sampling and detokenizing; and the memory-read bound next to it."""
+    import torch
+
+    model = llm.core.model
+    spent = {"forward": 0.0, "logits": 0.0}
+
+    def timed(name, fn):
+        def call(x, *a, **kw):
+            t0 = time.perf_counter()
+            out = fn(x, *a, **kw)
+            if x.shape[0] == 1:
+                spent[name] += time.perf_counter() - t0
+            return out
+        return call
+
+    model.forward = timed("forward", model.forward)
+    model.compute_logits = timed("logits", model.compute_logits)
+    try:
+        out = llm.generate(prompt, _kv_params(new))[0]
+    finally:
+        del model.forward, model.compute_logits  # back to the class's methods
+    steps = new - 1
+    decode_s = out.metrics["e2e"] - out.metrics["ttft"]
+    weights = [model.lm_head] + [w for L in model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    big = torch.ones(256 << 20, dtype=torch.bfloat16)  # 512 MB, far past any cache
+    big.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        big.sum()
+    read = 3 * big.numel() * big.element_size() / (time.perf_counter() - t0)
+    return Breakdown(decode_s / steps * 1e3, spent["forward"] / steps * 1e3, spent["logits"] / steps * 1e3,
+                     weight_bytes / 1e6, read / 1e9)
+
+
+def breakdown_table(b: Breakdown) -> str:
+    rest = b.step_ms - b.layers_ms - b.head_ms
+    return "\n".join([
+        "| part of one single-stream decode step | ms |",
+        "|---|---:|",
+        f"| decoder layers (`model.forward`) | {b.layers_ms:.2f} |",
+        f"| LM head | {b.head_ms:.2f} |",
+        f"| the rest: scheduling, batch preparation, sampling, detokenizing | {rest:.2f} |",
+        f"| whole step | {b.step_ms:.2f} ({1e3 / b.step_ms:.1f} tokens/s) |",
+        f"| bound: {b.weight_mb:.0f} MB of weights read at the measured {b.read_gb_s:.1f} GB/s "
+        f"| {b.weight_mb / b.read_gb_s:.2f} ({b.bound_tok_s:.1f} tokens/s) |",
+    ])
+
+
 # ---- transformers --------------------------------------------------------------
 
 def _hf_generate(model, ids: list[list[int]], new: int) -> float:
@@ -164,8 +229,8 @@ token: transformers / kvrelay).
 - Date: {now}
 - Machine: {machine()}
 - What bounds each figure: single-stream decode is one token per step, so it is bound by reading
-  every weight once per token (memory bandwidth) plus per-step Python and scheduling overhead;
-  time to first token is the prefill of {args.prompt_len} tokens, bound by matmul compute; batch
+  every weight once per token (memory bandwidth) plus per-step overhead; the second table splits
+  one such step (timed inside a real generate) and puts the read bound beside it; time to first token is the prefill of {args.prompt_len} tokens, bound by matmul compute; batch
   throughput shares each weight read across {args.batch} sequences, so it is bound by compute
   (matmuls, and attention over the paged cache that grows with each token).
 - The machine is shared with other jobs, so these figures are noisy: with more runnable
@@ -243,6 +308,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
 
     print(f"kvrelay ({model_name}, {args.dtype}) ...", file=sys.stderr)
     kv = bench_kvrelay(llm, prompt, batch, args.new_tokens)
+    parts = decode_breakdown(llm, prompt, args.new_tokens)
     assert llm.core.pool.is_fully_free()
     del llm
 
@@ -252,7 +318,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     ref = bench_transformers(hf, prompt, batch, args.new_tokens)
 
-    body = table(kv, ref, args)
+    body = table(kv, ref, args) + "\n\n" + breakdown_table(parts)
     print(body)
     if args.write:
         command = command or "python -m engine.bench " + " ".join(sys.argv[1:])

@@ -29,8 +29,11 @@ def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
             "--new-tokens", "4", "--batch", "2", "--write", "--benchmarks-file", str(md)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| ") for line in out.splitlines()) == 4
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 4 + 6
     assert "| metric | kvrelay | transformers | ratio |" in out
+    assert "| part of one single-stream decode step | ms |" in out
+    step = re.search(r"\| whole step \| ([\d.]+) ", out)
+    assert step and float(step.group(1)) > 0
     text = md.read_text()
     assert "keep me" in text and "## Engine" in text and "- Command: `python -m engine.bench" in text
     assert re.search(r"- Machine: `nproc` \d+, .*torch ", text)
