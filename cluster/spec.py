@@ -79,6 +79,7 @@ class StageSpec(_Strict):
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # GPU replicas: no CUDA graphs for decode steps
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -116,6 +117,7 @@ class StageSpec(_Strict):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            enforce_eager=self.enforce_eager,
             seed=seed,
             **kwargs,
         )

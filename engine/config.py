@@ -142,6 +142,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: never replay captured decode graphs (engine/cuda_graph.py)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

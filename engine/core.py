@@ -52,12 +52,19 @@ class EngineCore:
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name)
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
-        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, config.device)
+        graphs = config.device.startswith("cuda") and not config.enforce_eager
+        # with CUDA graphs, one block past the pool's is where padded batch rows write
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.seed)
+        if graphs:
+            from engine.cuda_graph import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, config.block_size, self.max_model_len,
+                                              config.max_num_seqs, sink_block=num_blocks)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0

@@ -38,6 +38,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        enforce_eager: bool = False,
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -47,7 +48,7 @@ class LLM:
             dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed)
+            enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         model_config, weights = load_checkpoint(self.model_dir, torch.float32)

@@ -17,6 +17,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.sampler = Sampler(seed, self.device)
+        self.graphs = None  # engine.cuda_graph.DecodeGraphs on CUDA unless enforce_eager
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata, list[int]]:
         """Decode sequences first, then prefill chunks. Returns input ids,
@@ -77,7 +78,10 @@ class ModelRunner:
         """Run one forward pass; returns {request_id: (token, logprobs)} for sampling sequences."""
         with phase(FORWARD):
             input_ids, positions, meta, sample_rows = self.prepare(batch)
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
+            if self.graphs is not None and layer_hook is None and self.graphs.runs(len(input_ids), meta):
+                hidden = self.graphs.forward(input_ids, positions, meta)
+            else:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
         samplers = [s for s in batch if s.samples]
         if not samplers:
             return {}
