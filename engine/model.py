@@ -115,10 +115,21 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        if self.device.type == "cpu":
+            self._to_huge_pages()
         from engine.kernels import make_ops
 
         self.ops = make_ops(dtype, self.device, enable=use_kernels)
         self.fused = self.ops.fused_decoder(self)  # None: every batch takes the per-op path
+
+    def _to_huge_pages(self) -> None:
+        """Every weight into one huge-page arena (engine/hugepages.py): decode streams them all each step."""
+        from engine.hugepages import pack
+
+        slots = [(self, "embed"), (self, "lm_head"), (self, "norm")]
+        slots += [(L, name) for L in self.layers for name in Layer.__slots__ if getattr(L, name) is not None]
+        for (obj, name), t in zip(slots, pack([getattr(obj, name) for obj, name in slots])):
+            setattr(obj, name, t)
 
     @torch.no_grad()
     def forward(
