@@ -11,27 +11,31 @@ one 2 MiB-aligned arena that is advised MADV_HUGEPAGE before it is touched.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
+import mmap
 
 import torch
 
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 _ALIGN = 64  # each tensor starts on a cache line
 
 
-def _madvise_huge(addr: int, length: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+def _huge_arena(size: int) -> torch.Tensor | None:
+    """`size` bytes of fresh anonymous memory (its own mapping, whatever the
+    malloc tuning), 2 MiB-aligned and advised MADV_HUGEPAGE before any page
+    is touched; None where the kernel refuses."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
+    base = -raw.data_ptr() % HUGE_PAGE
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+        mm.madvise(mmap.MADV_HUGEPAGE, base, -(-size // HUGE_PAGE) * HUGE_PAGE)
+    except OSError:
+        return None
+    return raw[base:base + size]
 
 
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -51,12 +55,10 @@ def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     if size < HUGE_PAGE:
         return tensors
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: fresh pages from mmap
-    base = -raw.data_ptr() % HUGE_PAGE
-    if not _madvise_huge(raw.data_ptr() + base, -(-size // HUGE_PAGE) * HUGE_PAGE):
+    arena = _huge_arena(size)
+    if arena is None:
         log.info("weights: transparent huge pages unavailable, keeping 4 KiB pages")
         return tensors
-    arena = raw[base:base + size]
     packed: dict[int, torch.Tensor] = {}
     for key, t in unique.items():
         nbytes = t.numel() * t.element_size()
