@@ -12,6 +12,7 @@ one 2 MiB-aligned arena that is advised MADV_HUGEPAGE before it is touched.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -36,6 +37,21 @@ def _huge_arena(size: int) -> torch.Tensor | None:
     except OSError:
         return None
     return raw[base:base + size]
+
+
+def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Zeroed CPU tensors of these shapes in one huge-page arena (fresh
+    anonymous memory reads as zeros, and only pages written are backed), or
+    None where huge pages are unavailable."""
+    sizes = [-(-math.prod(s) * dtype.itemsize // _ALIGN) * _ALIGN for s in shapes]
+    arena = _huge_arena(sum(sizes)) if sum(sizes) >= HUGE_PAGE else None
+    if arena is None:
+        return None
+    out, off = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(arena[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+        off += size
+    return out
 
 
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

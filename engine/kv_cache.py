@@ -64,8 +64,15 @@ class KVCacheSpec:
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Zeroed per-layer KV tensors in the layout documented above."""
+    """Zeroed per-layer KV tensors in the layout documented above (on a CPU,
+    in huge pages where available: attention streams them like weights)."""
     dt = torch_dtype(spec.dtype)
+    if torch.device(device).type == "cpu":
+        from engine.hugepages import zeros
+
+        caches = zeros([(num_blocks, *spec.block_shape)] * spec.num_layers, dt)
+        if caches is not None:
+            return caches
     return [torch.zeros((num_blocks, *spec.block_shape), dtype=dt, device=device)
             for _ in range(spec.num_layers)]
 

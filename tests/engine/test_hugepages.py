@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hugepages import HUGE_PAGE, pack
+from engine.hugepages import HUGE_PAGE, pack, zeros
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -46,3 +46,10 @@ def test_pack_lands_in_huge_pages():
     ts = pack([torch.ones(4 * HUGE_PAGE // 2, dtype=torch.bfloat16)])
     assert ts[0].data_ptr() % HUGE_PAGE == 0
     assert _anon_huge_kb(ts[0].data_ptr()) >= 2048
+
+
+def test_zeros_are_zero_and_apart():
+    a, b = zeros([(300, 2, 16, 3, 64), (300, 2, 16, 3, 64)], torch.bfloat16) or pytest.skip("no huge pages")
+    assert a.shape == (300, 2, 16, 3, 64) and a.is_contiguous() and not a.any() and not b.any()
+    a.fill_(1)
+    assert not b.any()  # no overlap
