@@ -19,6 +19,7 @@ import torch
 from kvtransfer import auth
 from kvtransfer.planner import ChunkPlan
 from kvtransfer.receiver import Ack
+from kvtransfer.transports import heap
 from kvtransfer.transports.base import Link, chunk_ids, done, gather, pieces
 from kvtransfer.transports.service import SESSION_KEY, grpc_options
 from kvtransfer.types import HandshakeError, TransferError
@@ -122,6 +123,7 @@ class GrpcLink(GrpcControl):
     def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 16,
                 num_channels: int = 2, **options):
         channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
+        heap.keep_large_buffers()
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
 
     def close(self) -> None:

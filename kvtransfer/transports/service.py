@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 
 from kvtransfer.receiver import Ack, ReceiverCore
-from kvtransfer.transports import pairing
+from kvtransfer.transports import heap, pairing
 from kvtransfer.types import HandshakeError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
@@ -184,6 +184,7 @@ def advertised_host(host: str) -> str:
 def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers: int,
           chunk_timeout_s: float = 30.0, advertise_host: str | None = None):
     """Start the service on host:port; returns (server, endpoint). The endpoint names advertise_host."""
+    heap.keep_large_buffers()
     public = advertise_host or advertised_host(host)
     servicer = KVTransferServicer(core, transport, public, chunk_timeout_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvt-rx"),
