@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -75,9 +75,13 @@ class GrpcControl(Link):
             raise HandshakeError("handshake refused: the receiver does not know the cluster secret")
         return channel, reply
 
-    def _call(self, method, request, timeout_s: float | None = None) -> Future:
-        out: Future = Future()
-        call = method.future(request, timeout=timeout_s or self.chunk_timeout_s, metadata=self.metadata)
+    def _call(self, method, request, timeout_s: float | None = None, out: Future | None = None) -> Future:
+        out = out or Future()
+        try:
+            call = method.future(request, timeout=timeout_s or self.chunk_timeout_s, metadata=self.metadata)
+        except Exception as e:  # e.g. the channel was closed meanwhile
+            out.set_result(Ack(False, error=f"{type(e).__name__}: {e}"))
+            return out
 
         def finish(c):
             try:
@@ -116,6 +120,10 @@ class GrpcLink(GrpcControl):
             ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
         self._pushes = [c.unary_unary(_SERVICE + "Push", request_serializer=None,
                                       response_deserializer=pb.Ack.FromString) for c in self._data_channels]
+        # Starting a call copies the message into gRPC and writes what the socket takes, in the
+        # caller's thread: one thread per connection lets the connections write in parallel.
+        self._issuers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-push")
+                         for _ in self._data_channels]
         self._next = itertools.count()
         self._window = threading.Semaphore(window)
 
@@ -127,6 +135,8 @@ class GrpcLink(GrpcControl):
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
 
     def close(self) -> None:
+        for issuer in self._issuers:
+            issuer.shutdown(wait=True)
         for c in self._data_channels:
             c.close()
         super().close()
@@ -149,6 +159,8 @@ class GrpcLink(GrpcControl):
         message = b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *parts])
         if not self._window.acquire(timeout=self.chunk_timeout_s):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
-        out = self._call(self._pushes[next(self._next) % len(self._pushes)], message)
+        out: Future = Future()
         out.add_done_callback(lambda _: self._window.release())
+        i = next(self._next) % len(self._pushes)
+        self._issuers[i].submit(self._call, self._pushes[i], message, None, out)
         return out
