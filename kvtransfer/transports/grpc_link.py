@@ -1,10 +1,14 @@
-"""The `grpc` transport: KV bytes ride in unary Push calls over one HTTP/2 channel.
+"""The `grpc` transport: KV bytes ride in unary Push calls, round-robin over ``num_channels`` connections.
 
 Messages are sized by the planner (``max_chunk_bytes``), and at most
 ``window`` chunks are in flight per link (HTTP/2 adds its own flow control
 underneath). A Push is encoded by hand as valid protobuf: the small header
 fields, then field 15 (data) whose bytes are joined straight from the source
-slabs, so the only copy on the sending side is the one into the message.
+slabs; the receiver parses the header and keeps the data as a view. What
+grpcio adds is one copy per side (bytes into its slice; slices into the
+bytes handed to the handler). Starting a call does that copy and the first
+socket write in the calling thread, so each connection has its own starting
+thread and the sender's worker goes on to join the next chunk.
 """
 from __future__ import annotations
 
