@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool, NoFreeBlocksError  # noqa: F401  (re-exported)
-from kvtransfer import auth
+from kvtransfer import auth, slabs
 from kvtransfer.ledger import Inbound, Ledger
-from kvtransfer.planner import Coverage, blocks_for_tokens, contiguous_runs
+from kvtransfer.planner import Coverage, blocks_for_tokens
 from kvtransfer.types import HandshakeError, Ticket, TransferResult
 
 TRANSPORTS = ("grpc", "nccl", "local")
@@ -130,12 +130,9 @@ class ReceiverCore:
                 inbound.fail(f"bad chunk: {bad}")
                 return Ack(False, error=bad)
             src = _as_uint8(data).view(num_layers, num_blocks, self.slab_bytes)  # [layers, blocks, slab_bytes]
-            runs = contiguous_runs(inbound.ticket.block_ids[first_block:first_block + num_blocks])
+            block_ids = inbound.ticket.block_ids[first_block:first_block + num_blocks]
             for i in range(num_layers):
-                dst, offset = self.kv_bytes[layer + i], 0
-                for block_id, length in runs:
-                    dst[block_id:block_id + length].copy_(src[i, offset:offset + length])
-                    offset += length
+                slabs.scatter(self.kv_bytes[layer + i], block_ids, src[i])
                 inbound.record_chunk(layer + i, first_block, num_blocks, time.time(), self.progress_timeout_s)
         return Ack(True)
 

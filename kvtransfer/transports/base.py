@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import torch
 
+from kvtransfer import slabs
 from kvtransfer.planner import ChunkPlan, contiguous_runs
 from kvtransfer.receiver import Ack
 
@@ -58,13 +59,7 @@ def gather(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int], out=
 
     out: a flat uint8 buffer of the right size to copy into, instead of a fresh allocation.
     """
-    runs = contiguous_runs(block_ids)
-    parts = [src[layer][b:b + n] for layer in chunk.layers for b, n in runs]
-    if len(parts) == 1:
-        return parts[0]
-    if out is not None:
-        return torch.cat(parts, out=out.view(-1, parts[0].shape[1]))
-    return torch.cat(parts)
+    return slabs.gather(src, chunk.layers, block_ids, out)
 
 
 def pieces(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> list:

@@ -1,17 +1,21 @@
-"""The `grpc` transport: KV bytes ride in unary Push calls over one HTTP/2 channel.
+"""The `grpc` transport: KV bytes ride in unary Push calls, round-robin over ``num_channels`` connections.
 
 Messages are sized by the planner (``max_chunk_bytes``), and at most
 ``window`` chunks are in flight per link (HTTP/2 adds its own flow control
 underneath). A Push is encoded by hand as valid protobuf: the small header
 fields, then field 15 (data) whose bytes are joined straight from the source
-slabs, so the only copy on the sending side is the one into the message.
+slabs; the receiver parses the header and keeps the data as a view. What
+grpcio adds is one copy per side (bytes into its slice; slices into the
+bytes handed to the handler). Starting a call does that copy and the first
+socket write in the calling thread, so each connection has its own starting
+thread and the sender's worker goes on to join the next chunk.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -19,6 +23,7 @@ import torch
 from kvtransfer import auth
 from kvtransfer.planner import ChunkPlan
 from kvtransfer.receiver import Ack
+from kvtransfer.transports import heap
 from kvtransfer.transports.base import Link, chunk_ids, done, gather, pieces
 from kvtransfer.transports.service import SESSION_KEY, grpc_options
 from kvtransfer.types import HandshakeError, TransferError
@@ -74,9 +79,13 @@ class GrpcControl(Link):
             raise HandshakeError("handshake refused: the receiver does not know the cluster secret")
         return channel, reply
 
-    def _call(self, method, request, timeout_s: float | None = None) -> Future:
-        out: Future = Future()
-        call = method.future(request, timeout=timeout_s or self.chunk_timeout_s, metadata=self.metadata)
+    def _call(self, method, request, timeout_s: float | None = None, out: Future | None = None) -> Future:
+        out = out or Future()
+        try:
+            call = method.future(request, timeout=timeout_s or self.chunk_timeout_s, metadata=self.metadata)
+        except Exception as e:  # e.g. the channel was closed meanwhile
+            out.set_result(Ack(False, error=f"{type(e).__name__}: {e}"))
+            return out
 
         def finish(c):
             try:
@@ -115,6 +124,10 @@ class GrpcLink(GrpcControl):
             ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
         self._pushes = [c.unary_unary(_SERVICE + "Push", request_serializer=None,
                                       response_deserializer=pb.Ack.FromString) for c in self._data_channels]
+        # Starting a call copies the message into gRPC and writes what the socket takes, in the
+        # caller's thread: one thread per connection lets the connections write in parallel.
+        self._issuers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-push")
+                         for _ in self._data_channels]
         self._next = itertools.count()
         self._window = threading.Semaphore(window)
 
@@ -122,9 +135,12 @@ class GrpcLink(GrpcControl):
     def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 16,
                 num_channels: int = 2, **options):
         channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
+        heap.keep_large_buffers()
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
 
     def close(self) -> None:
+        for issuer in self._issuers:
+            issuer.shutdown(wait=True)
         for c in self._data_channels:
             c.close()
         super().close()
@@ -147,6 +163,8 @@ class GrpcLink(GrpcControl):
         message = b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *parts])
         if not self._window.acquire(timeout=self.chunk_timeout_s):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
-        out = self._call(self._pushes[next(self._next) % len(self._pushes)], message)
+        out: Future = Future()
         out.add_done_callback(lambda _: self._window.release())
+        i = next(self._next) % len(self._pushes)
+        self._issuers[i].submit(self._call, self._pushes[i], message, None, out)
         return out

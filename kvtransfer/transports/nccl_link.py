@@ -39,6 +39,9 @@ class NcclLink(GrpcControl):
         self._tags = itertools.count(1)
         self._tag_lock = threading.Lock()
         self._window = threading.Semaphore(window)
+        # Starting a send writes what the socket takes in the caller's thread; a thread of its own
+        # lets the sender's worker gather the next chunk meanwhile.
+        self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-p2p-send")
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvt-p2p")
         self.staging = pairing.StagingBuffers(pair_device(pair.backend))
 
@@ -70,16 +73,22 @@ class NcclLink(GrpcControl):
             header.has_checksum, header.crc32 = True, crc32_of(data)
         if not self._window.acquire(timeout=self.chunk_timeout_s):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
+        out: Future = Future()
+        out.add_done_callback(lambda _: self._window.release())
+        self._issuer.submit(self._issue, header, data, staging, out)
+        return out
+
+    def _issue(self, header, data: torch.Tensor, staging: torch.Tensor, out: Future) -> None:
+        """Announce the chunk and post its send (gloo writes what the socket takes right here)."""
         announced = self._call(self.stub.Announce, header)
         try:
-            work = self.pair.send(data.view(-1), tag, pairing.RECEIVER_RANK)
+            work = self.pair.send(data.view(-1), header.tag, pairing.RECEIVER_RANK)
         except Exception as e:
             self.is_broken = True
-            self._window.release()
-            return done(Ack(False, error=f"receiver lost: {e}"))
-        out = self._waiters.submit(self._wait, work, announced, data, staging)
-        out.add_done_callback(lambda _: self._window.release())
-        return out
+            out.set_result(Ack(False, error=f"receiver lost: {e}"))
+            return
+        self._waiters.submit(self._wait, work, announced, data, staging).add_done_callback(
+            lambda f: out.set_result(_ack_of(f)))
 
     def _wait(self, work, announced: Future, data: torch.Tensor, staging: torch.Tensor) -> Ack:
         try:
@@ -91,5 +100,14 @@ class NcclLink(GrpcControl):
         return announced.result(timeout=self.chunk_timeout_s)
 
     def close(self) -> None:
+        self._issuer.shutdown(wait=False, cancel_futures=True)
         self._waiters.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+def _ack_of(future: Future) -> Ack:
+    if future.cancelled():
+        return Ack(False, error="link closed")
+    if future.exception() is not None:
+        return Ack(False, error=f"{type(future.exception()).__name__}: {future.exception()}")
+    return future.result()

@@ -7,9 +7,10 @@ import uuid
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtransfer.receiver import Ack, ReceiverCore
-from kvtransfer.transports import pairing
+from kvtransfer.transports import heap, pairing
 from kvtransfer.types import HandshakeError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
@@ -40,7 +41,17 @@ def _varint(buf: memoryview, i: int) -> tuple[int, int]:
 
 
 def split_chunk(raw: bytes) -> tuple[pb.Chunk, memoryview]:
-    """Parse a Chunk but leave its data (field 15) as a view of the received bytes: no copy."""
+    """Parse a Chunk but leave its data (field 15) as a view of the received bytes: no copy.
+
+    Raises ValueError on bytes that are not a Chunk (a truncated field, a bad wire type).
+    """
+    try:
+        return _split_chunk(raw)
+    except (IndexError, DecodeError) as e:
+        raise ValueError(f"not a Chunk message ({len(raw)} bytes): {e}") from None
+
+
+def _split_chunk(raw: bytes) -> tuple[pb.Chunk, memoryview]:
     buf = memoryview(raw)
     i = 0
     while i < len(buf):
@@ -55,12 +66,16 @@ def split_chunk(raw: bytes) -> tuple[pb.Chunk, memoryview]:
             i += 4
         elif wire_type == 2:
             n, i = _varint(buf, i)
+            if i + n > len(buf):
+                raise ValueError(f"field {field} claims {n} bytes, {len(buf) - i} left")
             if field == 15:
                 header = pb.Chunk.FromString(bytes(buf[:key_at]) + bytes(buf[i + n:]))
                 return header, buf[i:i + n]
             i += n
         else:
-            raise ValueError(f"bad wire type {wire_type} in Chunk")
+            raise ValueError(f"bad wire type {wire_type}")
+        if i > len(buf):
+            raise ValueError("truncated field")
     return pb.Chunk.FromString(raw), memoryview(b"")
 
 
@@ -114,9 +129,13 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self._session(context)
         return to_pb(self.core.renew(request.transfer_id, request.lease_s))
 
-    def Push(self, request: tuple[pb.Chunk, memoryview], context):
+    def Push(self, request: bytes, context):
+        """A Chunk kept as raw bytes until here, so that malformed bytes get a clear Ack, not INTERNAL."""
         self._session(context)
-        header, data = request
+        try:
+            header, data = split_chunk(request)
+        except ValueError as e:
+            return pb.Ack(ok=False, error=f"malformed chunk: {e}")
         crc = header.crc32 if header.has_checksum else None
         return to_pb(self.core.write_chunk(header.transfer_id, header.layer, header.first_block,
                                            header.num_blocks, data, crc, header.num_layers))
@@ -155,7 +174,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
 
 
 def method_handlers(servicer: KVTransferServicer):
-    """The service's handlers; Push keeps its bytes as a view (split_chunk) instead of a parsed copy."""
+    """The service's handlers; Push gets its raw bytes and keeps the data as a view (split_chunk), no parsed copy."""
     def unary(fn, deserializer):
         return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=deserializer,
                                                    response_serializer=pb.Ack.SerializeToString)
@@ -166,7 +185,7 @@ def method_handlers(servicer: KVTransferServicer):
         "Handshake": grpc.unary_unary_rpc_method_handler(servicer.Handshake, pb.HandshakeRequest.FromString,
                                                          pb.HandshakeReply.SerializeToString),
         "Renew": unary(servicer.Renew, pb.RenewRequest.FromString),
-        "Push": unary(servicer.Push, split_chunk),
+        "Push": unary(servicer.Push, None),
         "Announce": unary(servicer.Announce, pb.Chunk.FromString),
         "Commit": unary(servicer.Commit, pb.CommitRequest.FromString),
         "Abort": unary(servicer.Abort, pb.AbortRequest.FromString),
@@ -184,6 +203,7 @@ def advertised_host(host: str) -> str:
 def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers: int,
           chunk_timeout_s: float = 30.0, advertise_host: str | None = None):
     """Start the service on host:port; returns (server, endpoint). The endpoint names advertise_host."""
+    heap.keep_large_buffers()
     public = advertise_host or advertised_host(host)
     servicer = KVTransferServicer(core, transport, public, chunk_timeout_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvt-rx"),

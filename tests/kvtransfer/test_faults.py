@@ -257,6 +257,29 @@ def test_checksum_mismatch_fails_the_transfer(receiver):
     assert rx.pool.is_fully_free()
 
 
+def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
+    rx, spec = receiver("grpc")
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    push = link.channel.unary_unary("/kvrelay.kvtransfer.KVTransfer/Push", request_serializer=None,
+                                    response_deserializer=pb.Ack.FromString)
+    ticket = rx.reserve("r", 16)
+    header = pb.Chunk(transfer_id=ticket.transfer_id, layer=0, first_block=0, num_blocks=1,
+                      nbytes=rx.core.slab_bytes).SerializeToString()
+    before = [layer.clone() for layer in rx.core.kv_bytes]
+    frames = [b"\xff\xff\xff",  # a varint that never ends
+              header + bytes([15 << 3 | 2]) + b"\x80\x80\x04" + b"\0" * 10,  # data claims 64 KiB, has 10 bytes
+              header + bytes([15 << 3 | 7])]  # wire type 7 does not exist
+    for frame in frames:
+        ack = push(frame, metadata=link.metadata, timeout=10)
+        assert not ack.ok and ack.error.startswith("malformed chunk:"), ack.error
+    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes))
+    assert rx.poll() == []  # nothing trustworthy named the transfer: it stays open for its real chunks
+    link.close()
+    rx.abort("r")
+    assert [r.status for r in rx.poll()] == ["FAILED"]
+    assert rx.pool.is_fully_free()
+
+
 def test_checksummed_transfer_is_done(receiver):
     rx, spec = receiver("grpc")
     ticket = rx.reserve("r", 20)

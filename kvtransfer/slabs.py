@@ -1,0 +1,65 @@
+"""Copies between a layer's block slabs and flat byte buffers, kept off torch's intra-op pool on CPU.
+
+torch spreads a multi-MB CPU copy over its intra-op (OpenMP) threads. When
+the cores are busy (the transfer's own I/O threads, the engine, other
+processes) the parallel region waits for a thread that is not scheduled: on
+the 2-vCPU bench machine one 3 MB ``copy_`` took ~6 ms with 2 intra-op
+threads and 0.08 ms with 1. A memory copy is bound by bandwidth, not by
+cores, so CPU copies here are single numpy calls (one thread, GIL released);
+copies that involve a GPU stay with torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtransfer.planner import contiguous_runs
+
+
+def scatter(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
+    """``dst[block_ids[i]] = src[i]`` for every i, in one copy where the CPU allows.
+
+    dst: ``[num_blocks, slab_bytes]`` uint8 (one layer); src: ``[len(block_ids), slab_bytes]`` uint8.
+    """
+    runs = contiguous_runs(block_ids)
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        d, s = dst.numpy(), src.numpy()
+        if len(runs) == 1:
+            first, n = runs[0]
+            np.copyto(d[first:first + n], s)
+        else:
+            d[np.asarray(block_ids, dtype=np.int64)] = s
+        return
+    offset = 0
+    for first, n in runs:
+        dst[first:first + n].copy_(src[offset:offset + n])
+        offset += n
+
+
+def gather(src: list[torch.Tensor], layers: range, block_ids: Sequence[int],
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The slabs ``src[layer][block_ids]`` of each layer, layer-major, as ``[len(layers) * n, slab_bytes]``.
+
+    A view when they are one contiguous run of one layer; otherwise copied into
+    ``out`` (a flat uint8 buffer of the right size) or a fresh tensor.
+    """
+    runs = contiguous_runs(block_ids)
+    n, slab = len(block_ids), src[0].shape[1]
+    if len(layers) == 1 and len(runs) == 1:
+        first, _ = runs[0]
+        return src[layers[0]][first:first + n]
+    if out is None:
+        out = torch.empty(len(layers) * n * slab, dtype=torch.uint8, device=src[0].device)
+    out = out.view(len(layers), n, slab)  # [layers, blocks, slab_bytes]
+    if src[0].device.type == "cpu":
+        o, ids = out.numpy(), np.asarray(block_ids, dtype=np.int64)
+        for i, layer in enumerate(layers):
+            if len(runs) == 1:
+                np.copyto(o[i], src[layer].numpy()[runs[0][0]:runs[0][0] + n])
+            else:
+                np.take(src[layer].numpy(), ids, axis=0, out=o[i])
+    else:
+        torch.cat([src[layer][b:b + k] for layer in layers for b, k in runs], out=out.view(-1, slab))
+    return out.view(-1, slab)
