@@ -107,6 +107,8 @@ class DecodeStage(StageLoop):
             for result in results:
                 seq = self._incoming.pop(result.request_id, None)
                 if seq is None:
+                    if result.status == "DONE":  # aborted as its last chunk landed: the blocks are ours to free
+                        self.core.pool.free(self.receiver.release(result.request_id))
                     continue
                 if result.status == "DONE":
                     self._admit(seq, self.receiver.release(result.request_id), result.first_token)
