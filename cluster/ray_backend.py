@@ -14,6 +14,7 @@ the placement and aborts what the request holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,28 @@ def _logprobs(infos, token_ids) -> list[TokenLogprob] | None:
         return None
     return [TokenLogprob(t, i["token_logprob"], tuple((a, b) for a, b in i["top"]))
             for t, i in zip(token_ids, infos)]
+
+
+def _skip_first_token(batch: list, first) -> list:
+    """The decode replica's deltas without the first token, which the client
+    already has from the prefill replica (``first``, a `prefill.stage.FirstToken`).
+
+    The decode replica emits that token as a delta of its own; its text is
+    ``first.text``, plus whatever the detokenizer held back when the token
+    also ends the request."""
+    for i, d in enumerate(batch):
+        if not d.token_ids:
+            continue
+        if d.token_ids[0] != first.token_id:  # cannot happen: both sides have the token from the commit
+            log.error("request %s: decode's first token %d is not prefill's %d", d.request_id, d.token_ids[0],
+                      first.token_id)
+        text = d.text[len(first.text):] if d.text.startswith(first.text) else d.text
+        rest = dataclasses.replace(d, token_ids=d.token_ids[1:], text=text,
+                                   logprobs=d.logprobs[1:] if d.logprobs else None)
+        if rest.token_ids or rest.text or rest.finished:
+            return batch[:i] + [rest] + batch[i + 1:]
+        return batch[:i] + batch[i + 1:]
+    return batch
 
 
 class RayBackend:
@@ -116,6 +139,7 @@ class RayBackend:
         prefill = self.replicas[placement.prefill_replica][1] if placement.prefill_replica else None
         watcher: asyncio.Task | None = None
         prefill_box: dict = {}
+        first_token: asyncio.Future | None = None
         finished = False
         try:
             try:
@@ -124,19 +148,21 @@ class RayBackend:
                 else:
                     # the prompt starts computing while the decode replica reserves
                     # its blocks; the ticket follows (one round trip off the TTFT)
-                    prefill_ref = prefill.prefill.remote(rid, ids, params, None)
+                    first_token = asyncio.get_running_loop().create_future()
+                    events = prefill.prefill_stream.options(num_returns="streaming").remote(rid, ids, params, None)
                     watcher = asyncio.create_task(self._watch_prefill(
-                        prefill_ref, placement, decode, rid, prefill_box))
+                        events, placement, decode, rid, prefill_box, first_token))
                     ticket = await decode.reserve.remote(rid, ids, params)
                     prefill.attach_ticket.remote(rid, ticket)
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(placement.decode_replica, e)
                 raise NoReplicaError(f"decode replica {placement.decode_replica} is down") from e
             stream = decode.stream.options(num_returns="streaming").remote(rid)
+            batches = self._batches(stream, first_token)
             try:
-                async for ref in stream:
-                    for d in await ref:
-                        delta = self._to_delta(d)
+                async for batch in batches:
+                    for d in batch:
+                        delta = d if isinstance(d, GenerateDelta) else self._to_delta(d)
                         if delta.finish_reason is not None:
                             finished = True
                             if watcher is not None:
@@ -155,6 +181,8 @@ class RayBackend:
                 yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
                                     error=f"decode replica {placement.decode_replica} died mid-stream")
                 return
+            finally:
+                await batches.aclose()
             finished = True
             yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error="stream ended without a finish")
         finally:
@@ -164,23 +192,68 @@ class RayBackend:
             if not finished:  # the consumer went away, or we failed: free everything
                 await self._abort_on(rid, placement)
 
-    async def _watch_prefill(self, ref, placement, decode, rid: str, box: dict) -> None:
+    async def _batches(self, stream, first_token: asyncio.Future | None):
+        """The decode stream's batches of deltas. Disaggregated, the first token
+        comes first, as the prefill replica sampled it (with its logprobs),
+        without waiting for the KV transfer; it is then left out of the decode
+        replica's first delta. A decode stream that fails or ends before the
+        first token (its replica died, the transfer failed) is passed on at once."""
+        if first_token is not None:
+            pending = asyncio.ensure_future(stream.__anext__())
+            try:
+                await asyncio.wait((first_token, pending), return_when=asyncio.FIRST_COMPLETED)
+                batch = None
+                if not first_token.done() and pending.exception() is None:  # the decode side spoke first
+                    batch = await pending.result()
+                    # an error or abort: no first token to wait for; else it is on its way
+                    first = await first_token if any(d.token_ids for d in batch) else None
+                else:
+                    first = await first_token  # None: the prefill failed; the decode stream says why
+                if first is not None:
+                    yield [GenerateDelta(first.request_id, [first.token_id], first.text,
+                                         logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))]
+                if batch is None:
+                    batch = await (await pending)  # raises if the decode replica died
+            except StopAsyncIteration:
+                return
+            finally:
+                if not pending.done():
+                    pending.cancel()
+            if first is not None:
+                batch = _skip_first_token(batch, first)
+            if batch:
+                yield batch
+        async for ref in stream:
+            yield await ref
+
+    async def _watch_prefill(self, events, placement, decode, rid: str, box: dict,
+                             first_token: asyncio.Future) -> None:
         import ray
 
+        from prefill.stage import FirstToken
+
+        result = None
         try:
-            result = await ref
+            async for ref in events:
+                item = await ref
+                if isinstance(item, FirstToken):
+                    first_token.set_result(item)
+                else:
+                    result = item
         except ray.exceptions.RayActorError as e:
             self._mark_dead(placement.prefill_replica, e)
-            result = None
             box["error"] = f"prefill replica {placement.prefill_replica} died"
         except Exception as e:
-            result = None
             box["error"] = f"prefill failed: {type(e).__name__}: {e}"
+        finally:
+            if not first_token.done():
+                first_token.set_result(None)
         if result is not None:
             box["result"] = result
             if result.status == "DONE":
                 return
             box["error"] = f"prefill failed: {result.error}"
+        box.setdefault("error", "prefill ended without a result")
         try:
             await decode.fail.remote(rid, box["error"])
         except Exception:

@@ -15,17 +15,19 @@ Life-cycle of a request in a prefill replica:
    computes.                                                  [transferring]
 3. The first token is sampled and committed; the prompt's blocks stay held,
    since the sender still reads them. (A prompt that finished before its
-   ticket came is sent whole, all layers at once, when it comes.)
-                                                               [committing]
+   ticket came is sent whole, all layers at once, when it comes.) The
+   caller of prefill_stream() gets the token at once, with its text and
+   logprobs, ahead of the transfer's outcome.                  [committing]
 4. The sender reports DONE or FAILED: the blocks are freed (full ones stay
-   in the prefix cache) and the caller gets the first token or the error.
-                                                                     [done]
+   in the prefix cache) and the caller gets the result: the first token or
+   the error.                                                        [done]
 Abort at any point frees everything the request holds on this replica.
 """
 from __future__ import annotations
 
+import queue
 import time
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -50,10 +52,23 @@ class PrefillResult:
 
 
 @dataclass
+class FirstToken:
+    """The prompt's first output token, sent to the caller as soon as it is
+    sampled, before the KV transfer ends. ``text`` is what the decode replica's
+    detokenizer will emit for it (text that may start a stop string is held
+    back, as there); ``logprobs`` is set when the request asked for them."""
+
+    request_id: str
+    token_id: int
+    text: str = ""
+    logprobs: dict | None = None
+
+
+@dataclass
 class _Job:
     seq: Sequence
     ticket: object
-    future: Future
+    events: queue.SimpleQueue  # the caller's FirstToken, then its PrefillResult
     next_renew: float
     sending: bool = False
     compute_done: float | None = None
@@ -82,25 +97,40 @@ class PrefillStage(StageLoop):
         """Compute the prompt and push its KV into ``ticket``'s blocks (None:
         the ticket comes through attach_ticket). Blocks until the transfer is
         DONE or FAILED; returns the first token."""
+        for item in self.prefill_stream(request_id, prompt_token_ids, params, ticket, timeout_s):
+            if isinstance(item, PrefillResult):
+                return item
+        raise AssertionError("prefill_stream ends with a PrefillResult")
+
+    def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
+                       timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
+        """prefill(), streamed: yields the `FirstToken` as soon as it is
+        sampled (unless the request fails first), then the `PrefillResult`."""
         self.core.check_prompt(prompt_token_ids, 1)
-        fut: Future = Future()
-        self.call(self._add, request_id, prompt_token_ids, params, ticket, fut)
-        try:
-            return fut.result(timeout=timeout_s)
-        except TimeoutError:
-            self.abort(request_id)
-            return PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        self.call(self._add, request_id, prompt_token_ids, params, ticket, events)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.abort(request_id)
+                yield PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
+                return
+            yield item
+            if isinstance(item, PrefillResult):
+                return
 
     def attach_ticket(self, request_id: str, ticket) -> None:
         """The decode replica's ticket for a prefill() started without one."""
         self.post(self._attach, request_id, ticket)
 
     # ---- loop thread -------------------------------------------------------
-    def _add(self, request_id, prompt_token_ids, params, ticket, fut) -> None:
+    def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
         self.core.add(seq)
         ticket = ticket or self._early_tickets.pop(request_id, None)
-        self._jobs[request_id] = _Job(seq, ticket, fut, time.monotonic() + self.lease_s / 3)
+        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3)
 
     def _attach(self, request_id: str, ticket) -> None:
         job = self._jobs.get(request_id)
@@ -132,7 +162,7 @@ class PrefillStage(StageLoop):
             self._jobs.pop(request_id)
             if self.core.abort(request_id) is None:  # computed, waiting for its ticket
                 self.core.kv.free(job.seq)
-            job.future.set_result(PrefillResult(request_id, "FAILED", error="aborted"))
+            job.events.put(PrefillResult(request_id, "FAILED", error="aborted"))
 
     def _on_batch(self, sched: SchedulerOutput):
         starting = []
@@ -163,18 +193,29 @@ class PrefillStage(StageLoop):
                     continue
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
-                    continue
-                with phase(KV_COMMIT):
-                    self.sender.commit(out.seq.request_id, out.new_token_ids[0])
+                else:
+                    with phase(KV_COMMIT):
+                        self.sender.commit(out.seq.request_id, out.new_token_ids[0])
+                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))
             busy = True
         for result in self.sender.poll():
             job = self._jobs.pop(result.request_id, None)
             if job is None:
                 continue
             self.core.kv.free(job.seq)
-            job.future.set_result(self._result(job, result))
+            job.events.put(self._result(job, result))
         self._renew_leases()
         return busy
+
+    def _first_token(self, seq: Sequence, token_id: int) -> FirstToken:
+        text = ""
+        if self.tokenizer is not None:
+            from engine.tokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                           skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
+            text = detok.step([token_id])
+        return FirstToken(seq.request_id, token_id, text, seq.output_logprobs[0] if seq.output_logprobs else None)
 
     def _result(self, job: _Job, result) -> PrefillResult:
         seq = job.seq
@@ -212,8 +253,8 @@ class PrefillStage(StageLoop):
     def _on_stop(self) -> None:
         self.sender.close()
         for job in list(self._jobs.values()):
-            if not job.future.done():
-                job.future.set_result(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+            job.events.put(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+        self._jobs.clear()
 
     def close(self) -> None:
         self.stop()
