@@ -191,12 +191,12 @@ class PrefillStage(StageLoop):
                 job.compute_done = time.monotonic()
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
+                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))  # to the caller first
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
-                else:
-                    with phase(KV_COMMIT):
-                        self.sender.commit(out.seq.request_id, out.new_token_ids[0])
-                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))
+                    continue
+                with phase(KV_COMMIT):
+                    self.sender.commit(out.seq.request_id, out.new_token_ids[0])
             busy = True
         for result in self.sender.poll():
             job = self._jobs.pop(result.request_id, None)
