@@ -37,6 +37,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stage_loop import StageLoop, load_engine
+from engine.token_sink import FirstToken
 
 
 @dataclass
@@ -52,24 +53,12 @@ class PrefillResult:
 
 
 @dataclass
-class FirstToken:
-    """The prompt's first output token, sent to the caller as soon as it is
-    sampled, before the KV transfer ends. ``text`` is what the decode replica's
-    detokenizer will emit for it (text that may start a stop string is held
-    back, as there); ``logprobs`` is set when the request asked for them."""
-
-    request_id: str
-    token_id: int
-    text: str = ""
-    logprobs: dict | None = None
-
-
-@dataclass
 class _Job:
     seq: Sequence
     ticket: object
     events: queue.SimpleQueue  # the caller's FirstToken, then its PrefillResult
     next_renew: float
+    sink: str | None = None  # a first-token sink that gets the FirstToken too
     sending: bool = False
     compute_done: float | None = None
     first_token: int | None = None  # sampled before the ticket came: send on attach
@@ -97,18 +86,20 @@ class PrefillStage(StageLoop):
         """Compute the prompt and push its KV into ``ticket``'s blocks (None:
         the ticket comes through attach_ticket). Blocks until the transfer is
         DONE or FAILED; returns the first token."""
-        for item in self.prefill_stream(request_id, prompt_token_ids, params, ticket, timeout_s):
+        for item in self.prefill_stream(request_id, prompt_token_ids, params, ticket, timeout_s=timeout_s):
             if isinstance(item, PrefillResult):
                 return item
         raise AssertionError("prefill_stream ends with a PrefillResult")
 
     def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
-                       timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
-        """prefill(), streamed: yields the `FirstToken` as soon as it is
-        sampled (unless the request fails first), then the `PrefillResult`."""
+                       sink: str | None = None, timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
+        """prefill(), streamed: yields the `engine.token_sink.FirstToken` as
+        soon as it is sampled (unless the request fails first), then the
+        `PrefillResult`. ``sink``: a first-token sink (see connect_token_sink)
+        that gets the FirstToken too, sooner."""
         self.core.check_prompt(prompt_token_ids, 1)
         events: queue.SimpleQueue = queue.SimpleQueue()
-        self.call(self._add, request_id, prompt_token_ids, params, ticket, events)
+        self.call(self._add, request_id, prompt_token_ids, params, ticket, events, sink)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -126,11 +117,11 @@ class PrefillStage(StageLoop):
         self.post(self._attach, request_id, ticket)
 
     # ---- loop thread -------------------------------------------------------
-    def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:
+    def _add(self, request_id, prompt_token_ids, params, ticket, events, sink) -> None:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
         self.core.add(seq)
         ticket = ticket or self._early_tickets.pop(request_id, None)
-        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3)
+        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3, sink=sink)
 
     def _attach(self, request_id: str, ticket) -> None:
         job = self._jobs.get(request_id)
@@ -191,7 +182,10 @@ class PrefillStage(StageLoop):
                 job.compute_done = time.monotonic()
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
-                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))  # to the caller first
+                first = self._first_token(out.seq, out.new_token_ids[0])
+                if job.sink is not None:  # to the caller first, by the fast path when it has one
+                    self.token_sink.send(job.sink, first)
+                job.events.put(first)
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
                     continue
