@@ -1,10 +1,17 @@
 """The real `Backend`: the router plus the Ray-hosted stage replicas.
 
 A request's path (disaggregated): the router picks a (prefill, decode) pair;
-the decode replica reserves blocks and returns a ticket; the prefill replica
-computes the prompt and pushes its KV into those blocks; the decode replica
+the prefill replica starts the prompt while the decode replica reserves
+blocks and returns a ticket, which follows to the prefill replica; the
+prefill replica pushes the prompt's KV into those blocks; the decode replica
 streams tokens, which come back here as batches of deltas over a Ray
 streaming generator. Colocated: the one replica does it all.
+
+The first token takes a shorter way: the replica that samples it (prefill,
+or colocated) sends it straight to this process's first-token sink
+(`engine.token_sink`), and, disaggregated, in the prefill result stream too;
+it goes to the client from whichever copy comes first, without waiting for
+the KV transfer, and the decode stream's copy is dropped.
 
 Failures: a prefill that fails (or whose replica dies) fails the decode side
 at once, without waiting for the lease; a decode replica that dies ends its
