@@ -47,6 +47,7 @@ class Cluster:
         self.backend: RayBackend | None = None
         self.frontends: Frontends | None = None
         self._started_ray = False
+        self._is_joined = False  # a Ray cluster that may span hosts (set by start_actors)
         self._startup_profile: asyncio.Task | None = None
         self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
 
@@ -67,7 +68,8 @@ class Cluster:
         sender_extra = {"deadline_s": cfg.transfer.deadline_s, "checksum": cfg.transfer.checksum}
         # a joined cluster may span hosts: receivers listen on every interface
         # and advertise their host's address
-        receiver_host = "0.0.0.0" if (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else "127.0.0.1"
+        self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
+        receiver_host = "0.0.0.0" if self._is_joined else "127.0.0.1"
         for stage, sc in cfg.stages.items():
             cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):
@@ -120,8 +122,16 @@ class Cluster:
         max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
                       for sc in self.config.stages.values())
         tokenizer = Tokenizer.from_folder(self.model_dir)
+        # the first-token sink: on loopback, or, in a joined cluster, on every
+        # interface at this host's address (as the KV receivers are)
+        sink_host, advertise = "127.0.0.1", None
+        if self._is_joined:
+            import ray
+
+            sink_host, advertise = "0.0.0.0", ray.util.get_node_ip_address()
         self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
-                                  model_config.vocab_size, Router(self.config.router), self.actors)
+                                  model_config.vocab_size, Router(self.config.router), self.actors,
+                                  sink_host=sink_host, sink_advertise_host=advertise)
         await self.backend.start()
         return self.backend
 

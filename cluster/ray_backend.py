@@ -1,10 +1,17 @@
 """The real `Backend`: the router plus the Ray-hosted stage replicas.
 
 A request's path (disaggregated): the router picks a (prefill, decode) pair;
-the decode replica reserves blocks and returns a ticket; the prefill replica
-computes the prompt and pushes its KV into those blocks; the decode replica
+the prefill replica starts the prompt while the decode replica reserves
+blocks and returns a ticket, which follows to the prefill replica; the
+prefill replica pushes the prompt's KV into those blocks; the decode replica
 streams tokens, which come back here as batches of deltas over a Ray
 streaming generator. Colocated: the one replica does it all.
+
+The first token takes a shorter way: the replica that samples it (prefill,
+or colocated) sends it straight to this process's first-token sink
+(`engine.token_sink`), and, disaggregated, in the prefill result stream too;
+it goes to the client from whichever copy comes first, without waiting for
+the KV transfer, and the decode stream's copy is dropped.
 
 Failures: a prefill that fails (or whose replica dies) fails the decode side
 at once, without waiting for the lease; a decode replica that dies ends its
@@ -14,7 +21,9 @@ the placement and aborts what the request holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -22,6 +31,7 @@ from cluster.router import ReplicaLoad, Router
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, ProfileTrace,
                            RequestTimeline, Stage, StageMetrics, TokenLogprob)
 from engine.sampling import SamplingParams as EngineSamplingParams
+from engine.token_sink import FirstToken, TokenSinkServer
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +51,35 @@ def _logprobs(infos, token_ids) -> list[TokenLogprob] | None:
             for t, i in zip(token_ids, infos)]
 
 
+def _skip_first_token(batch: list, first) -> list:
+    """The decode replica's deltas without the first token, which the client
+    already has (``first``, a `engine.token_sink.FirstToken`).
+
+    The decode replica emits that token as a delta of its own; its text is
+    ``first.text``, plus whatever the detokenizer held back when the token
+    also ends the request."""
+    for i, d in enumerate(batch):
+        if not d.token_ids:
+            continue
+        if d.token_ids[0] != first.token_id:  # cannot happen: both sides have the token from the commit
+            log.error("request %s: decode's first token %d is not prefill's %d", d.request_id, d.token_ids[0],
+                      first.token_id)
+        text = d.text[len(first.text):] if d.text.startswith(first.text) else d.text
+        rest = dataclasses.replace(d, token_ids=d.token_ids[1:], text=text,
+                                   logprobs=d.logprobs[1:] if d.logprobs else None)
+        if rest.token_ids or rest.text or rest.finished:
+            return batch[:i] + [rest] + batch[i + 1:]
+        return batch[:i] + batch[i + 1:]
+    return batch
+
+
 class RayBackend:
     def __init__(self, model_name: str, mode: str, tokenizer, max_model_len: int, vocab_size: int,
-                 router: Router, replicas: dict[str, tuple[Stage, object]], load_interval_s: float = 0.05):
+                 router: Router, replicas: dict[str, tuple[Stage, object]], load_interval_s: float = 0.05,
+                 sink_host: str | None = "127.0.0.1", sink_advertise_host: str | None = None):
+        """``sink_host``: where the first-token sink (`engine.token_sink`)
+        listens, None for none; replicas reach it at ``sink_advertise_host``
+        (default: ``sink_host``)."""
         self.model_name = model_name
         self.mode = mode
         self.tokenizer = tokenizer
@@ -53,14 +89,21 @@ class RayBackend:
         self.replicas = replicas  # replica id -> (stage, actor handle)
         self.load_interval_s = load_interval_s
         self._poller: asyncio.Task | None = None
+        self.sink = TokenSinkServer(os.urandom(32), sink_host, sink_advertise_host) if sink_host else None
 
     async def start(self) -> None:
         for rid, (stage, _) in self.replicas.items():
             self.router.add_replica(rid, stage)
+        if self.sink is not None:
+            address = await self.sink.start()
+            await asyncio.gather(*(h.connect_token_sink.remote(address, self.sink.secret)
+                                   for _, h in self.replicas.values()))
         await self._poll_loads_once()
         self._poller = asyncio.create_task(self._poll_loads())
 
     async def stop(self) -> None:
+        if self.sink is not None:
+            await self.sink.stop()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -116,27 +159,32 @@ class RayBackend:
         prefill = self.replicas[placement.prefill_replica][1] if placement.prefill_replica else None
         watcher: asyncio.Task | None = None
         prefill_box: dict = {}
+        # the first token, by the sink or (disaggregated) the prefill replica's result, whichever comes first
+        first_token = self.sink.wait(rid) if self.sink else asyncio.get_running_loop().create_future()
+        sink = self.sink.address if self.sink else None
         finished = False
         try:
             try:
                 if prefill is None:
-                    await decode.submit.remote(rid, ids, params)
+                    await decode.submit.remote(rid, ids, params, sink)
                 else:
                     # the prompt starts computing while the decode replica reserves
                     # its blocks; the ticket follows (one round trip off the TTFT)
-                    prefill_ref = prefill.prefill.remote(rid, ids, params, None)
+                    events = prefill.prefill_stream.options(num_returns="streaming").remote(
+                        rid, ids, params, None, sink)
                     watcher = asyncio.create_task(self._watch_prefill(
-                        prefill_ref, placement, decode, rid, prefill_box))
+                        events, placement, decode, rid, prefill_box, first_token))
                     ticket = await decode.reserve.remote(rid, ids, params)
                     prefill.attach_ticket.remote(rid, ticket)
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(placement.decode_replica, e)
                 raise NoReplicaError(f"decode replica {placement.decode_replica} is down") from e
             stream = decode.stream.options(num_returns="streaming").remote(rid)
+            batches = self._batches(stream, first_token, is_colocated=prefill is None)
             try:
-                async for ref in stream:
-                    for d in await ref:
-                        delta = self._to_delta(d)
+                async for batch in batches:
+                    for d in batch:
+                        delta = d if isinstance(d, GenerateDelta) else self._to_delta(d)
                         if delta.finish_reason is not None:
                             finished = True
                             if watcher is not None:
@@ -155,32 +203,85 @@ class RayBackend:
                 yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
                                     error=f"decode replica {placement.decode_replica} died mid-stream")
                 return
+            finally:
+                await batches.aclose()
             finished = True
             yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error="stream ended without a finish")
         finally:
             self.router.release(placement)
+            if self.sink is not None:
+                self.sink.discard(rid)
             if watcher is not None and not watcher.done():
                 watcher.cancel()
             if not finished:  # the consumer went away, or we failed: free everything
                 await self._abort_on(rid, placement)
 
-    async def _watch_prefill(self, ref, placement, decode, rid: str, box: dict) -> None:
+    async def _batches(self, stream, first_token: asyncio.Future, is_colocated: bool):
+        """The decode stream's batches of deltas, the first token first as soon
+        as ``first_token`` has it; the stream's copy of it is then left out.
+
+        Disaggregated, the first token comes from the prefill replica (with
+        its logprobs), without waiting for the KV transfer, and the stream's
+        first token is never used without it. Colocated, the stream's first
+        batch is used as it is if it comes first. A decode stream that fails
+        or ends before the first token (its replica died, the transfer
+        failed) is passed on at once."""
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            await asyncio.wait((first_token, pending), return_when=asyncio.FIRST_COMPLETED)
+            batch = None
+            if first_token.done():
+                first = first_token.result()  # None: the prefill failed; the decode stream says why
+            elif pending.exception() is not None:
+                first = None  # raised below
+            else:  # the decode side spoke first
+                batch = await pending.result()
+                # an error or abort: no first token to wait for; else (disaggregated) it is on its way
+                first = await first_token if any(d.token_ids for d in batch) and not is_colocated else None
+            if first is not None:
+                yield [GenerateDelta(first.request_id, [first.token_id], first.text,
+                                     logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))]
+            if batch is None:
+                batch = await (await pending)  # raises if the decode replica died
+        except StopAsyncIteration:
+            return
+        finally:
+            if not pending.done():
+                pending.cancel()
+        if first is not None:
+            batch = _skip_first_token(batch, first)
+        if batch:
+            yield batch
+        async for ref in stream:
+            yield await ref
+
+    async def _watch_prefill(self, events, placement, decode, rid: str, box: dict,
+                             first_token: asyncio.Future) -> None:
         import ray
 
+        result = None
         try:
-            result = await ref
+            async for ref in events:
+                item = await ref
+                if isinstance(item, FirstToken):
+                    if not first_token.done():
+                        first_token.set_result(item)
+                else:
+                    result = item
         except ray.exceptions.RayActorError as e:
             self._mark_dead(placement.prefill_replica, e)
-            result = None
             box["error"] = f"prefill replica {placement.prefill_replica} died"
         except Exception as e:
-            result = None
             box["error"] = f"prefill failed: {type(e).__name__}: {e}"
+        finally:
+            if not first_token.done():
+                first_token.set_result(None)
         if result is not None:
             box["result"] = result
             if result.status == "DONE":
                 return
             box["error"] = f"prefill failed: {result.error}"
+        box.setdefault("error", "prefill ended without a result")
         try:
             await decode.fail.remote(rid, box["error"])
         except Exception:

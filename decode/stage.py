@@ -67,12 +67,14 @@ class DecodeStage(StageLoop):
             self.abort(request_id)
             raise
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Take a whole request (prefill here too)."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: str | None = None) -> None:
+        """Take a whole request (prefill here too). ``sink``: a first-token sink
+        (see connect_token_sink) that gets the first token too."""
         self.core.check_prompt(prompt_token_ids, params.max_tokens)
         self.open_stream(request_id)
         try:
-            self.call(self._submit, request_id, prompt_token_ids, params)
+            self.call(self._submit, request_id, prompt_token_ids, params, sink)
         except BaseException:
             self.abort(request_id)
             raise
@@ -86,8 +88,10 @@ class DecodeStage(StageLoop):
         self._incoming[request_id] = Sequence(request_id, list(prompt_token_ids), params)
         return ticket
 
-    def _submit(self, request_id, prompt_token_ids, params):
+    def _submit(self, request_id, prompt_token_ids, params, sink):
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if sink is not None:
+            self._first_token_sinks[request_id] = sink
         self.core.add(seq)
         self.outputs.add(seq)
 
@@ -107,6 +111,8 @@ class DecodeStage(StageLoop):
             for result in results:
                 seq = self._incoming.pop(result.request_id, None)
                 if seq is None:
+                    if result.status == "DONE":  # aborted as its last chunk landed: the blocks are ours to free
+                        self.core.pool.free(self.receiver.release(result.request_id))
                     continue
                 if result.status == "DONE":
                     self._admit(seq, self.receiver.release(result.request_id), result.first_token)

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor, RequestOutput
 from engine.profiling import ProfileWindow, enable_nvtx
+from engine.token_sink import FirstToken, TokenSinkClient
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class StageLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._streams_lock = threading.Lock()
+        self.token_sink = TokenSinkClient()
+        self._first_token_sinks: dict[str, str] = {}  # request id -> the sink its first token goes to (loop thread)
         self._stopped = threading.Event()
         self._fatal: str | None = None
         self._load: dict = self._snapshot_load()
@@ -151,6 +154,11 @@ class StageLoop:
         """End a request with an error (e.g. its prefill failed elsewhere)."""
         self.post(self._fail, request_id, error)
 
+    def connect_token_sink(self, address: str, secret: bytes) -> None:
+        """Let requests name the frontend's first-token sink at ``address``
+        (`engine.token_sink`); ``secret`` proves this replica to it."""
+        self.token_sink.register(address, secret)
+
     def start_profile(self, out_dir: str, with_stack: bool = False) -> None:
         """Open a profiler window on the loop thread (CPU, plus CUDA on a GPU).
         Raises if one is already open on this replica."""
@@ -185,7 +193,19 @@ class StageLoop:
             if stopped:
                 self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
                 ro.metrics = out.seq.metrics.as_dict()
-            self.emit(Delta.from_output(ro))
+            delta = Delta.from_output(ro)
+            if self._first_token_sinks:
+                self._to_sink(delta)
+            self.emit(delta)
+
+    def _to_sink(self, delta: Delta) -> None:
+        """The request's first token to its sink too, unless it also ends the request."""
+        if not delta.token_ids:
+            return
+        sink = self._first_token_sinks.pop(delta.request_id, None)
+        if sink is not None and len(delta.token_ids) == 1 and not delta.finished:
+            self.token_sink.send(sink, FirstToken(delta.request_id, delta.token_ids[0], delta.text,
+                                                  delta.logprobs[0] if delta.logprobs else None))
 
     def fail_request(self, request_id: str, error: str) -> None:
         self.outputs.discard(request_id)
@@ -193,6 +213,7 @@ class StageLoop:
 
     def _release(self, request_id: str) -> None:
         """Free everything the request holds here, without a word to its stream."""
+        self._first_token_sinks.pop(request_id, None)
         self.core.abort(request_id)
         self.outputs.discard(request_id)
 
@@ -238,6 +259,7 @@ class StageLoop:
                 except Exception:
                     log.exception("%s: could not write the open profile", self.replica_id)
             self._on_stop()
+            self.token_sink.close()
 
     def _drain_commands(self, wait: float) -> None:
         try:

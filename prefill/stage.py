@@ -15,17 +15,19 @@ Life-cycle of a request in a prefill replica:
    computes.                                                  [transferring]
 3. The first token is sampled and committed; the prompt's blocks stay held,
    since the sender still reads them. (A prompt that finished before its
-   ticket came is sent whole, all layers at once, when it comes.)
-                                                               [committing]
+   ticket came is sent whole, all layers at once, when it comes.) The
+   caller of prefill_stream() gets the token at once, with its text and
+   logprobs, ahead of the transfer's outcome.                  [committing]
 4. The sender reports DONE or FAILED: the blocks are freed (full ones stay
-   in the prefix cache) and the caller gets the first token or the error.
-                                                                     [done]
+   in the prefix cache) and the caller gets the result: the first token or
+   the error.                                                        [done]
 Abort at any point frees everything the request holds on this replica.
 """
 from __future__ import annotations
 
+import queue
 import time
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -35,6 +37,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stage_loop import StageLoop, load_engine
+from engine.token_sink import FirstToken
 
 
 @dataclass
@@ -53,8 +56,9 @@ class PrefillResult:
 class _Job:
     seq: Sequence
     ticket: object
-    future: Future
+    events: queue.SimpleQueue  # the caller's FirstToken, then its PrefillResult
     next_renew: float
+    sink: str | None = None  # a first-token sink that gets the FirstToken too
     sending: bool = False
     compute_done: float | None = None
     first_token: int | None = None  # sampled before the ticket came: send on attach
@@ -82,25 +86,42 @@ class PrefillStage(StageLoop):
         """Compute the prompt and push its KV into ``ticket``'s blocks (None:
         the ticket comes through attach_ticket). Blocks until the transfer is
         DONE or FAILED; returns the first token."""
+        for item in self.prefill_stream(request_id, prompt_token_ids, params, ticket, timeout_s=timeout_s):
+            if isinstance(item, PrefillResult):
+                return item
+        raise AssertionError("prefill_stream ends with a PrefillResult")
+
+    def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
+                       sink: str | None = None, timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
+        """prefill(), streamed: yields the `engine.token_sink.FirstToken` as
+        soon as it is sampled (unless the request fails first), then the
+        `PrefillResult`. ``sink``: a first-token sink (see connect_token_sink)
+        that gets the FirstToken too, sooner."""
         self.core.check_prompt(prompt_token_ids, 1)
-        fut: Future = Future()
-        self.call(self._add, request_id, prompt_token_ids, params, ticket, fut)
-        try:
-            return fut.result(timeout=timeout_s)
-        except TimeoutError:
-            self.abort(request_id)
-            return PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        self.call(self._add, request_id, prompt_token_ids, params, ticket, events, sink)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.abort(request_id)
+                yield PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
+                return
+            yield item
+            if isinstance(item, PrefillResult):
+                return
 
     def attach_ticket(self, request_id: str, ticket) -> None:
         """The decode replica's ticket for a prefill() started without one."""
         self.post(self._attach, request_id, ticket)
 
     # ---- loop thread -------------------------------------------------------
-    def _add(self, request_id, prompt_token_ids, params, ticket, fut) -> None:
+    def _add(self, request_id, prompt_token_ids, params, ticket, events, sink) -> None:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
         self.core.add(seq)
         ticket = ticket or self._early_tickets.pop(request_id, None)
-        self._jobs[request_id] = _Job(seq, ticket, fut, time.monotonic() + self.lease_s / 3)
+        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3, sink=sink)
 
     def _attach(self, request_id: str, ticket) -> None:
         job = self._jobs.get(request_id)
@@ -132,7 +153,7 @@ class PrefillStage(StageLoop):
             self._jobs.pop(request_id)
             if self.core.abort(request_id) is None:  # computed, waiting for its ticket
                 self.core.kv.free(job.seq)
-            job.future.set_result(PrefillResult(request_id, "FAILED", error="aborted"))
+            job.events.put(PrefillResult(request_id, "FAILED", error="aborted"))
 
     def _on_batch(self, sched: SchedulerOutput):
         starting = []
@@ -161,6 +182,10 @@ class PrefillStage(StageLoop):
                 job.compute_done = time.monotonic()
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
+                first = self._first_token(out.seq, out.new_token_ids[0])
+                if job.sink is not None:  # to the caller first, by the fast path when it has one
+                    self.token_sink.send(job.sink, first)
+                job.events.put(first)
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
                     continue
@@ -172,9 +197,19 @@ class PrefillStage(StageLoop):
             if job is None:
                 continue
             self.core.kv.free(job.seq)
-            job.future.set_result(self._result(job, result))
+            job.events.put(self._result(job, result))
         self._renew_leases()
         return busy
+
+    def _first_token(self, seq: Sequence, token_id: int) -> FirstToken:
+        text = ""
+        if self.tokenizer is not None:
+            from engine.tokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                           skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
+            text = detok.step([token_id])
+        return FirstToken(seq.request_id, token_id, text, seq.output_logprobs[0] if seq.output_logprobs else None)
 
     def _result(self, job: _Job, result) -> PrefillResult:
         seq = job.seq
@@ -212,8 +247,8 @@ class PrefillStage(StageLoop):
     def _on_stop(self) -> None:
         self.sender.close()
         for job in list(self._jobs.values()):
-            if not job.future.done():
-                job.future.set_result(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+            job.events.put(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+        self._jobs.clear()
 
     def close(self) -> None:
         self.stop()

@@ -35,6 +35,18 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(cluster):
     assert cluster.client.generate("Hello", max_tokens=4, temperature=0).finish_reason is not None
 
 
+def test_a_one_token_request_gets_its_token_once(cluster):
+    """The first token reaches the client from the prefill replica; the decode
+    replica's copy, which here also ends the request, adds only the finish."""
+    chunks = list(cluster.client.stream("What is the capital of France?", max_tokens=1, temperature=0,
+                                        ignore_eos=True, logprobs=1))
+    got = [t for c in chunks for t in c.token_ids]
+    assert len(got) == 1 and chunks[-1].finish_reason.value == "length"
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == got
+    assert chunks[-1].usage.completion_tokens == 1
+    _replicas_free(cluster)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt="hi", max_tokens=0), "max_tokens"),

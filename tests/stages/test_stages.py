@@ -100,3 +100,46 @@ def test_decode_abort_before_the_kv_lands_frees_the_reservation(stages):
     ids, finish = _collect(decode, "r")
     assert finish == "abort" and ids == []
     assert _wait_free(prefill, decode)
+
+
+def test_prefill_stream_sends_the_first_token_with_its_logprobs_before_the_result(stages):
+    from prefill.stage import FirstToken, PrefillResult
+
+    prefill, decode = stages
+    p = random_prompts(1, 96, [30], seed=6)[0]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    events = prefill.prefill_stream("lp", p, params, None)
+    first = next(events)  # computed before any ticket exists: it does not wait for the transfer
+    assert isinstance(first, FirstToken) and first.logprobs is not None
+    assert len(first.logprobs["top"]) == 2 and first.logprobs["top"][0][0] == first.token_id
+    prefill.attach_ticket("lp", decode.reserve("lp", p, params))
+    result = next(events)
+    assert isinstance(result, PrefillResult) and result.status == "DONE" and result.first_token == first.token_id
+    ids, _ = _collect(decode, "lp")
+    assert ids[0] == first.token_id and len(ids) == 4
+    assert _wait_free(prefill, decode)
+
+
+def test_decode_abort_as_the_kv_lands_frees_the_blocks(stages):
+    """The abort reaches the decode loop after the transfer is DONE but before
+    the loop polled it: no sequence waits for it, and the blocks are freed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefill, decode = stages
+    p = random_prompts(1, 96, [30], seed=7)[0]
+    ticket = decode.reserve("late", p, GREEDY)
+
+    def abort_once_landed():  # on the decode loop thread, so no poll() runs in between
+        deadline = time.monotonic() + 20
+        while decode.receiver.core.ledger.for_request("late").state.name != "DONE":
+            assert time.monotonic() < deadline, "the transfer never completed"
+            time.sleep(0.001)
+        decode._abort("late")
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(prefill.prefill, "late", p, GREEDY, ticket)
+        decode.call(abort_once_landed, timeout=30)
+        assert fut.result(timeout=30).status == "DONE"
+    ids, finish = _collect(decode, "late")
+    assert finish == "abort"
+    assert _wait_free(prefill, decode)
