@@ -22,7 +22,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 # Past this many rows (tokens) oneDNN's GEMM beats the skinny kernel (measured).
-MAX_SKINNY_ROWS = 4
+MAX_SKINNY_ROWS = 8
 # Decode batches up to this many tokens run through FusedDecoder.
 MAX_FUSED_ROWS = 256
 _CSRC = Path(__file__).parent / "csrc"
@@ -81,7 +81,7 @@ def load_native_ops():
 
             _ext = load("kvrelay_cpu_ops", [str(p) for p in _SRCS], build_directory=str(_build_dir()),
                         extra_include_paths=[str(_CSRC)],
-                        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
                         verbose=False)
         except Exception as e:  # no compiler, no ninja, ...: the torch path still works
             log.warning("bf16 decode kernel unavailable, using torch's matmul: %s", e)
@@ -140,7 +140,7 @@ class NativeOps(TorchOps):
 
     def logits(self, hidden, lm_head):
         if hidden.shape[0] <= MAX_SKINNY_ROWS and hidden.shape[1] % 32 == 0:
-            return self.ext.gemv_bf16_f32(hidden, lm_head, threads=decode_threads(hidden.shape[0]))
+            return self.ext.gemv_bf16_f32(hidden, lm_head)
         return F.linear(hidden, lm_head).float()
 
     def fused_decoder(self, model):
@@ -186,15 +186,6 @@ class NativeOps(TorchOps):
 
 def _or(t, default):
     return default if t is None else t
-
-
-def decode_threads(rows: int) -> int:
-    """Threads for a decode step of `rows` tokens. A few rows are bound by
-    reading the weights, which one core does at about the machine's memory
-    bandwidth (measured), so they run on the calling thread: no fork/join per
-    op and no spinning workers to lose to other processes. More rows are bound
-    by arithmetic and use every intra-op thread."""
-    return 1 if rows <= MAX_SKINNY_ROWS else torch.get_num_threads()
 
 
 def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import BatchMetadata, paged_attention
 from engine.config import ConfigError, ModelConfig
-from engine.kernels import MAX_FUSED_ROWS, decode_threads
+from engine.kernels import MAX_FUSED_ROWS
 
 LayerHook = Callable[[int], None]
 
@@ -149,7 +149,7 @@ class LlamaModel:
             # a batch of decode tokens only: the whole stack in one native call
             return self.fused.forward(F.embedding(input_ids, self.embed), positions, meta.slot_blocks,
                                       meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens,
-                                      kv_caches, decode_threads(T))
+                                      kv_caches, torch.get_num_threads())
         linear = ops.linear
         rope = ops.rope(self.rotary, positions)
         x = F.embedding(input_ids, self.embed)  # [T, H]

@@ -3,11 +3,10 @@
 // y[M, N] = x[M, K] @ w[N, K]^T for small M (decode batches): every weight row
 // is read from memory once and dotted with all M activation rows while it sits
 // in L1, with fp32 accumulation (vdpbf16ps). Decode is bound by reading the
-// weights, so this is what sets single-stream speed. Weight rows are walked in
-// memory order, one row at a time: on the machines measured, one sequential
-// stream per core is what the hardware prefetcher follows at full bandwidth
-// (four interleaved row streams ran at half of it), and one core alone reads
-// at about the machine's memory bandwidth.
+// weights, so this is what sets single-stream speed. Each thread walks its
+// weight rows in memory order, one row at a time: one sequential stream per
+// core is what the hardware prefetcher follows at full bandwidth (four
+// interleaved row streams ran at half of it on the machine measured).
 #include <torch/extension.h>
 #include <immintrin.h>
 

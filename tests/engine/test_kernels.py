@@ -136,9 +136,9 @@ def _fused_and_per_op(model, kv_caches, ctx_lens):
     return got, ref, kv_caches, per_op_kv
 
 
-@pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128]])
+@pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128, 3, 64, 65, 200]])
 def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens):
-    """Up to 4 decode tokens, the fused step runs the very kernels of the
+    """Up to MAX_SKINNY_ROWS decode tokens, the fused step runs the very kernels of the
     per-op path in the same order: same hidden states, same KV writes."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
@@ -146,7 +146,7 @@ def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_le
 
     cfg, weights = load_checkpoint(default_model_dir, torch.bfloat16)
     model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=512)
-    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 64)
+    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 160)
     got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, ctx_lens)
     assert torch.equal(got, ref)
     assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_p))
