@@ -21,8 +21,11 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# Past this many rows (tokens) oneDNN's GEMM beats the skinny kernel (measured).
-MAX_SKINNY_ROWS = 8
+# Matmul kernel by rows (tokens), from side-by-side runs on the 2-core dev
+# machine: up to MAX_SKINNY_ROWS the skinny kernel (memory bound), up to
+# MAX_TILE_ROWS the register-tile kernel, beyond that oneDNN's GEMM.
+MAX_SKINNY_ROWS = 4
+MAX_TILE_ROWS = 48
 # Decode batches up to this many tokens run through FusedDecoder.
 MAX_FUSED_ROWS = 256
 _CSRC = Path(__file__).parent / "csrc"
@@ -134,13 +137,19 @@ class NativeOps(TorchOps):
 
     def linear(self, x, w):
         # x: [T, K], w: [N, K] -> [T, N]
-        if x.shape[0] <= MAX_SKINNY_ROWS and x.shape[1] % 32 == 0:
-            return self.ext.gemv_bf16(x, w)
+        if x.shape[1] % 32 == 0:
+            if x.shape[0] <= MAX_SKINNY_ROWS:
+                return self.ext.gemv_bf16(x, w)
+            if x.shape[0] <= MAX_TILE_ROWS:
+                return self.ext.gemm_bf16(x, w)
         return F.linear(x, w)
 
     def logits(self, hidden, lm_head):
-        if hidden.shape[0] <= MAX_SKINNY_ROWS and hidden.shape[1] % 32 == 0:
-            return self.ext.gemv_bf16_f32(hidden, lm_head)
+        if hidden.shape[1] % 32 == 0:
+            if hidden.shape[0] <= MAX_SKINNY_ROWS:
+                return self.ext.gemv_bf16_f32(hidden, lm_head)
+            if hidden.shape[0] <= MAX_TILE_ROWS:
+                return self.ext.gemm_bf16(hidden, lm_head, f32_out=True)
         return F.linear(hidden, lm_head).float()
 
     def fused_decoder(self, model):
@@ -150,27 +159,29 @@ class NativeOps(TorchOps):
                    _or(L.q_norm, empty), _or(L.k_norm, empty)] for L in model.layers]
         cfg = model.cfg
         return self.ext.FusedDecoder(layers, model.norm, model.rotary.cos, model.rotary.sin, cfg.num_heads,
-                                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale, MAX_SKINNY_ROWS)
+                                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
+                                     MAX_SKINNY_ROWS, MAX_TILE_ROWS)
 
-    # The elementwise kernels win where per-op overhead dominates (a few
-    # tokens); for larger batches torch's vectorized ops are as fast.
+    # The elementwise kernels run for decode-sized batches (up to the tile
+    # range), so a decode batch computes the same numbers through the per-op
+    # path as through FusedDecoder; for prefill-sized ones torch's ops are as fast.
     def rms_norm(self, x, w, eps):
-        if x.shape[0] > MAX_SKINNY_ROWS:
+        if x.shape[0] > MAX_TILE_ROWS:
             return TorchOps.rms_norm(x, w, eps)
         return self.ext.add_rms_norm(x, None, w, eps)
 
     def add_rms_norm(self, x, delta, w, eps):
-        if x.shape[0] > MAX_SKINNY_ROWS:
+        if x.shape[0] > MAX_TILE_ROWS:
             return TorchOps.add_rms_norm(x, delta, w, eps)
         return x, self.ext.add_rms_norm(x, delta.contiguous(), w, eps)  # x updated in place
 
     def silu_mul(self, gate_up):
-        if gate_up.shape[0] > MAX_SKINNY_ROWS:
+        if gate_up.shape[0] > MAX_TILE_ROWS:
             return TorchOps.silu_mul(gate_up)
         return self.ext.silu_mul(gate_up.contiguous())
 
     def rope(self, rotary, positions):
-        if positions.shape[0] > MAX_SKINNY_ROWS:
+        if positions.shape[0] > MAX_TILE_ROWS:
             return TorchOps.rope(rotary, positions)
         rope_ = self.ext.rope_
 

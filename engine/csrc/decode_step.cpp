@@ -26,10 +26,10 @@ class FusedDecoder {
   // an empty tensor for an absent one (qkv_b, q_norm, k_norm).
   FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm, torch::Tensor cos,
                torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               double scale, int64_t skinny_rows)
+               double scale, int64_t skinny_rows, int64_t tile_rows)
       : final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)), nh_(num_heads),
         nkv_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
-        skinny_rows_(skinny_rows) {
+        skinny_rows_(skinny_rows), tile_rows_(tile_rows) {
     auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
     for (const auto& l : layers) {
       TORCH_CHECK(l.size() == 9, "FusedDecoder: 9 tensors per layer");
@@ -105,11 +105,13 @@ class FusedDecoder {
   }
 
  private:
-  // Few rows: the skinny kernel (memory bound); more: torch's GEMM (compute bound).
+  // Few rows: the skinny kernel (memory bound); more: register tiles; many: torch's GEMM.
   void linear(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int threads) const {
     const int64_t M = x.size(0), K = x.size(1);
     if (M <= skinny_rows_ && K % 32 == 0) {
       gemv(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, w.size(0), threads);
+    } else if (M <= tile_rows_ && K % 32 == 0) {
+      gemm(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, w.size(0), threads);
     } else {
       at::mm_out(y, x, w.t());
     }
@@ -119,7 +121,7 @@ class FusedDecoder {
   torch::Tensor final_norm_, cos_, sin_;
   int64_t nh_, nkv_, hd_;
   float eps_, scale_;
-  int64_t skinny_rows_;
+  int64_t skinny_rows_, tile_rows_;
   int64_t hidden_ = 0, inter_ = 0;
 };
 
@@ -127,6 +129,7 @@ class FusedDecoder {
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads);
 torch::Tensor gemv_bf16_f32(const torch::Tensor& x, const torch::Tensor& w, int64_t threads);
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads, bool f32_out);
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& w,
                            double eps, int64_t threads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads);
@@ -141,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto t = py::arg("threads") = -1;  // -1: torch's intra-op thread count
   m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), t, release());
   m.def("gemv_bf16_f32", &gemv_bf16_f32, py::arg("x"), py::arg("w"), t, release());
+  m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), t, py::arg("f32_out") = false, release());
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("delta"), py::arg("w"), py::arg("eps"), t, release());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), t, release());
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());
@@ -148,6 +152,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lens"), py::arg("scale"), t, release());
   py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor, torch::Tensor, torch::Tensor,
-                    int64_t, int64_t, int64_t, double, double, int64_t>())
+                    int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("forward", &kvrelay::FusedDecoder::forward, release());
 }

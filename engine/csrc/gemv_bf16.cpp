@@ -58,6 +58,58 @@ void rows(const bf16* x, const bf16* w, Out* y, int64_t M, int64_t K, int64_t N,
   }
 }
 
+// Sum of each of a, b, c, d's 16 lanes, as 4 floats.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  // each 128-bit lane holds [a, b, c, d] partial sums; add the four lanes
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// A tile of 8 weight rows x kM activation rows, for batches past the skinny
+// range: each weight vector loaded feeds kM dot products and each activation
+// vector 8, so the loop is bound by vdpbf16ps rather than loads; 8 x kM
+// accumulators are reduced four rows at a time at the end.
+template <int kM, class Out>
+inline void tile8(const bf16* x, const bf16* w, Out* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m512 acc[8][kM];
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < kM; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[kM];
+    for (int j = 0; j < kM; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k);
+    for (int i = 0; i < 8; ++i) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n0 + i) * K + k);
+      for (int j = 0; j < kM; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+    }
+  }
+  for (int j = 0; j < kM; ++j) {
+    for (int i = 0; i < 8; i += 4) {
+      alignas(16) float r[4];
+      _mm_store_ps(r, reduce4(acc[i][j], acc[i + 1][j], acc[i + 2][j], acc[i + 3][j]));
+      for (int q = 0; q < 4; ++q) store(y + (m0 + j) * N + n0 + i + q, r[q]);
+    }
+  }
+}
+
+template <class Out>
+void gemm_impl(const bf16* x, const bf16* w, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
+  const int64_t blocks = N / 8;
+  par_for(blocks, 4, threads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) tile8<2>(x, w, y, K, N, m, b * 8);
+      if (m < M) tile8<1>(x, w, y, K, N, m, b * 8);
+    }
+  });
+  if (N % 8) rows(x, w, y, M, K, N, blocks * 8, N);  // the last few weight rows
+}
+
 template <class Out>
 void gemv_impl(const bf16* x, const bf16* w, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
   const int64_t blocks = (N + kRows - 1) / kRows;
@@ -74,6 +126,14 @@ void gemv(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N
 
 void gemv_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads) {
   gemv_impl(x, w, y, M, K, N, threads);
+}
+
+void gemm(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
+  gemm_impl(x, w, y, M, K, N, threads);
+}
+
+void gemm_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads) {
+  gemm_impl(x, w, y, M, K, N, threads);
 }
 
 }  // namespace kvrelay
@@ -103,5 +163,20 @@ torch::Tensor gemv_bf16_f32(const torch::Tensor& x, const torch::Tensor& w, int6
   auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options().dtype(at::kFloat));
   kvrelay::gemv_f32(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<float>(),
                     xc.size(0), xc.size(1), wc.size(0), static_cast<int>(threads));
+  return y;
+}
+
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads, bool f32_out) {
+  check_gemv_args(x, w);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  const int t = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
+  if (f32_out)
+    kvrelay::gemm_f32(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<float>(), xc.size(0),
+                      xc.size(1), wc.size(0), t);
+  else
+    kvrelay::gemm(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<kvrelay::bf16>(),
+                  xc.size(0), xc.size(1), wc.size(0), t);
   return y;
 }

@@ -24,6 +24,9 @@ inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
 void gemv(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
 // Same, fp32 output (the LM head: logits stay fp32).
 void gemv_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads);
+// The same for more rows: 8 x 2 register tiles (compute bound, not load bound).
+void gemm(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
+void gemm_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads);
 // x += delta (skipped when delta is null), out = rms_norm(x) * w; [T, H].
 void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
                   int threads);

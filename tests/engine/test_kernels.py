@@ -28,7 +28,7 @@ def _close(got, ref, rtol=2 ** -6, atol=2e-2):
     assert torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol), (got.float() - ref.float()).abs().max()
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 13, 16, 48, 49])
 @pytest.mark.parametrize("n, k", [(960, 576), (37, 64), (576, 1536)])
 def test_linear(native, m, n, k):
     x, w = _rand(m, k, seed=m), _rand(n, k, seed=n)
@@ -138,7 +138,7 @@ def _fused_and_per_op(model, kv_caches, ctx_lens):
 
 @pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128, 3, 64, 65, 200]])
 def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens):
-    """Up to MAX_SKINNY_ROWS decode tokens, the fused step runs the very kernels of the
+    """Up to 48 decode tokens (MAX_TILE_ROWS), the fused step runs the very kernels of the
     per-op path in the same order: same hidden states, same KV writes."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
