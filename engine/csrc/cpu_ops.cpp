@@ -61,7 +61,7 @@ std::vector<float>& scratch(int which) {
 
 void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
                   int threads) {
-  par_for(T, 4, threads, [&](int64_t t0, int64_t t1) {
+  par_for(T, 64, threads, [&](int64_t t0, int64_t t1) {
     std::vector<float>& row = scratch(0);
     row.resize(H);
     for (int64_t t = t0; t < t1; ++t) {
@@ -100,7 +100,7 @@ void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t 
 }
 
 void head_rms_norm(bf16* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const bf16* w, float eps, int threads) {
-  par_for(T * NH, 16, threads, [&](int64_t a, int64_t b) {
+  par_for(T * NH, 256, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       bf16* v = x + (j / NH) * s0 + (j % NH) * D;
       float ss = 0.f;
@@ -114,7 +114,7 @@ void head_rms_norm(bf16* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const 
 void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads) {
   const int64_t chunk = 256;  // elements per work item: rows are split too, so one token uses every thread
   const int64_t per_row = (I + chunk - 1) / chunk;
-  par_for(T * per_row, 2, threads, [&](int64_t a, int64_t b) {
+  par_for(T * per_row, 32, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       const int64_t t = j / per_row, i0 = (j % per_row) * chunk, i1 = std::min(I, i0 + chunk);
       const bf16* g = gate_up + t * 2 * I;
@@ -137,7 +137,7 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads)
 void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const bf16* cos, const bf16* sin,
           const int64_t* positions, int threads) {
   const int64_t half = D / 2;
-  par_for(T * NH, 64, threads, [&](int64_t a, int64_t b) {
+  par_for(T * NH, 512, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       const int64_t t = j / NH, h = j % NH;
       bf16* v = x + t * s0 + h * s1;
@@ -182,6 +182,14 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+// Keys and values are read through the block table, a few cache lines per
+// token at a stride, so the hardware prefetcher loses them at every block
+// boundary; fetch the head kAhead tokens ahead.
+constexpr int64_t kAhead = 16;
+inline void prefetch_head(const bf16* p, int nv) {
+  for (int i = 0; i < nv; i += 2) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
+}
+
 // One (sequence, KV head) pair: G query heads against the sequence's L keys
 // and values, read in place through its block table. NV: fp32 vectors per
 // head (head_dim / 16), a compile-time constant so the head stays in
@@ -202,6 +210,7 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
           continue;
         }
         const bf16* k = key(t0 + i);
+        if (t0 + i + kAhead < L) prefetch_head(key(t0 + i + kAhead), NV);
         __m512 kvec[NV];
         for (int d = 0; d < NV; ++d) kvec[d] = load16(k + 16 * d);
         for (int64_t g = 0; g < G; ++g) {
@@ -250,6 +259,7 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
       for (int d = 0; d < NV; ++d) o[d] = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
         const bf16* v = key(t) + kv_stride;
+        if (g == 0 && t + kAhead < L) prefetch_head(key(t + kAhead) + kv_stride, NV);
         const __m512 pv = _mm512_set1_ps(sc[t]);
         for (int d = 0; d < NV; ++d) o[d] = _mm512_fmadd_ps(pv, load16(v + 16 * d), o[d]);
       }
