@@ -152,10 +152,11 @@ def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_le
     assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_p))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind):
-    """16 decode tokens (torch's GEMM inside), qkv bias (Qwen2), q/k norm and
-    a head size the vector kernels skip (Qwen3): agree to bf16 rounding."""
+@pytest.mark.parametrize("kind, rows", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("llama", 64)])
+def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows):
+    """16 decode tokens (register tiles) and 64 (torch's GEMM), qkv bias
+    (Qwen2), q/k norm (Qwen3), head sizes the vector kernels take (Qwen3: 16)
+    and skip (Llama: 8): agree to bf16 rounding."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
     from engine.weights import load_checkpoint
@@ -164,8 +165,8 @@ def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind):
     save_tiny_model(tmp_path, kind)
     cfg, weights = load_checkpoint(tmp_path, torch.bfloat16)
     model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128)
-    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 128)
-    lens = [1, 7, 16, 17, 30, 31, 32, 33, 40, 50, 60, 64, 65, 70, 80, 99]
+    kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 8 * rows + 1)
+    lens = ([1, 7, 16, 17, 30, 31, 32, 33, 40, 50, 60, 64, 65, 70, 80, 99] * 4)[:rows]
     got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, lens)
     _close(got, ref, atol=5e-2)
     for a, b in zip(kv_f, kv_p):
