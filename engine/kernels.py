@@ -139,17 +139,17 @@ class NativeOps(TorchOps):
         # x: [T, K], w: [N, K] -> [T, N]
         if x.shape[1] % 32 == 0:
             if x.shape[0] <= MAX_SKINNY_ROWS:
-                return self.ext.gemv_bf16(x, w)
+                return self.ext.linear_bf16(x, w)
             if x.shape[0] <= MAX_TILE_ROWS:
-                return self.ext.gemm_bf16(x, w)
+                return self.ext.linear_bf16(x, w, tiles=True)
         return F.linear(x, w)
 
     def logits(self, hidden, lm_head):
         if hidden.shape[1] % 32 == 0:
             if hidden.shape[0] <= MAX_SKINNY_ROWS:
-                return self.ext.gemv_bf16_f32(hidden, lm_head)
+                return self.ext.linear_bf16(hidden, lm_head, f32_out=True)
             if hidden.shape[0] <= MAX_TILE_ROWS:
-                return self.ext.gemm_bf16(hidden, lm_head, f32_out=True)
+                return self.ext.linear_bf16(hidden, lm_head, tiles=True, f32_out=True)
         return F.linear(hidden, lm_head).float()
 
     def fused_decoder(self, model):

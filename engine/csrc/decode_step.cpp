@@ -127,9 +127,8 @@ class FusedDecoder {
 
 }  // namespace kvrelay
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads);
-torch::Tensor gemv_bf16_f32(const torch::Tensor& x, const torch::Tensor& w, int64_t threads);
-torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads, bool f32_out);
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool tiles, bool f32_out,
+                          int64_t threads);
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& w,
                            double eps, int64_t threads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads);
@@ -142,9 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   auto t = py::arg("threads") = -1;  // -1: torch's intra-op thread count
-  m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), t, release());
-  m.def("gemv_bf16_f32", &gemv_bf16_f32, py::arg("x"), py::arg("w"), t, release());
-  m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), t, py::arg("f32_out") = false, release());
+  m.def("linear_bf16", &linear_bf16, py::arg("x"), py::arg("w"), py::arg("tiles") = false,
+        py::arg("f32_out") = false, t, release());
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("delta"), py::arg("w"), py::arg("eps"), t, release());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), t, release());
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());

@@ -146,37 +146,21 @@ void check_gemv_args(const torch::Tensor& x, const torch::Tensor& w) {
 }
 }  // namespace
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads) {
-  check_gemv_args(x, w);
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options());
-  kvrelay::gemv(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<kvrelay::bf16>(),
-                xc.size(0), xc.size(1), wc.size(0), static_cast<int>(threads));
-  return y;
-}
-
-torch::Tensor gemv_bf16_f32(const torch::Tensor& x, const torch::Tensor& w, int64_t threads) {
-  check_gemv_args(x, w);
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options().dtype(at::kFloat));
-  kvrelay::gemv_f32(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<float>(),
-                    xc.size(0), xc.size(1), wc.size(0), static_cast<int>(threads));
-  return y;
-}
-
-torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t threads, bool f32_out) {
+// y = x @ w^T through the skinny kernel or (tiles) the register tiles; bf16
+// or (f32_out) fp32 output. threads <= 0: torch's intra-op thread count.
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool tiles, bool f32_out,
+                          int64_t threads) {
   check_gemv_args(x, w);
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   auto y = torch::empty({xc.size(0), wc.size(0)}, xc.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   const int t = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
+  const auto* xp = xc.data_ptr<kvrelay::bf16>();
+  const auto* wp = wc.data_ptr<kvrelay::bf16>();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   if (f32_out)
-    kvrelay::gemm_f32(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<float>(), xc.size(0),
-                      xc.size(1), wc.size(0), t);
+    (tiles ? kvrelay::gemm_f32 : kvrelay::gemv_f32)(xp, wp, y.data_ptr<float>(), M, K, N, t);
   else
-    kvrelay::gemm(xc.data_ptr<kvrelay::bf16>(), wc.data_ptr<kvrelay::bf16>(), y.data_ptr<kvrelay::bf16>(),
-                  xc.size(0), xc.size(1), wc.size(0), t);
+    (tiles ? kvrelay::gemm : kvrelay::gemv)(xp, wp, y.data_ptr<kvrelay::bf16>(), M, K, N, t);
   return y;
 }
