@@ -214,8 +214,15 @@ def machine() -> str:
             f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}{load}")
 
 
-def section(body: str, args, model_name: str, command: str) -> str:
+def provenance(command: str | None = None) -> str:
+    """The lines every benchmark section ends its figures with: the command
+    that produced them (when given), when, and on what machine."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"- Command: `{command.strip()}`"] if command else []
+    return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
+
+
+def section(body: str, args, model_name: str, command: str) -> str:
     return f"""{SECTION}
 
 `engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}, greedy, EOS ignored,
@@ -225,9 +232,7 @@ token: transformers / kvrelay).
 
 {body}
 
-- Command: `{command}`
-- Date: {now}
-- Machine: {machine()}
+{provenance(command)}
 - What bounds each figure: single-stream decode is one token per step, so it is bound by reading
   every weight once per token (memory bandwidth) plus per-step overhead; the second table splits
   one such step (timed inside a real generate) and puts the read bound beside it; time to first token is the prefill of {args.prompt_len} tokens, bound by matmul compute; batch

@@ -224,11 +224,6 @@ What bounds each figure (measured with `perf` and CPU time per transfer on this 
   slice, the received slices into the Python bytes handed to the handler), on top of the sender's
   join of header and slabs and the receiver's copy into the blocks, plus HTTP/2 framing and
   Python per message: about twice the socket's CPU per byte, on two cores shared by both ends.
-- What made the difference in this round: glibc had been unmapping every freed multi-MB message
-  buffer, so each chunk paid its page faults again on both sides (`transports/heap.py` keeps them);
-  torch spread each 3 MB slab copy over its intra-op threads, which on busy cores cost ~6 ms
-  instead of 0.1 ms (`slabs.py` copies with one numpy call); and the grpc sender started each call
-  on its worker thread, where gRPC's copy and socket write serialized with the next chunk's join.
 """
 
 
@@ -238,7 +233,7 @@ def spread(values: list[float]) -> str:
 
 def section(args, rows, ratios, overlap, command: str) -> str:
     """The `## KV transfer` section of BENCHMARKS.md for one run."""
-    from engine.bench import machine
+    from engine.bench import provenance
 
     lines = [
         "## KV transfer", "",
@@ -276,8 +271,7 @@ def section(args, rows, ratios, overlap, command: str) -> str:
     if overlap:
         lines.append(f"| overlap: left after prefill <= {OVERLAP_TARGET:.0f}% of the prefill, 1k tokens | "
                      f"**{'met' if worst <= OVERLAP_TARGET else 'not met'}**: worst {worst:.1f}% |")
-    lines += ["", BOUNDS, f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-              f"- Machine: {machine()}", ""]
+    lines += ["", BOUNDS, provenance(), ""]
     return "\n".join(lines)
 
 
@@ -311,7 +305,6 @@ def main(argv=None) -> None:
         ratios.update(((name, tokens), [100 * s / t for s, t in zip(runs["socket (bound)"], r)])
                       for name, r in runs.items())
     rows = [(name, tokens, seconds[name, tokens]) for name in peers for tokens in sizes]
-    sock = {tokens: seconds["socket (bound)", tokens] for tokens in sizes}
 
     computes = {"matmul (CPU, this machine)": load_compute(args.compute),
                 f"sleep {args.layer_ms} ms per layer (GPU-like)": sleep_compute(args.layer_ms)}

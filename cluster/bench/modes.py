@@ -18,7 +18,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 WORDS = ("river mountain cloud signal engine garden window silver market letter bridge winter "
@@ -89,7 +88,7 @@ def main(argv=None) -> None:
     table = compare_results(a, b)
     print(table)
     if args.write:
-        from engine.bench import machine, write_section
+        from engine.bench import provenance, write_section
 
         cmd = "python -m cluster.bench.modes " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Disaggregated vs colocated\n\nSame 2 CPUs, same model ({args.dtype}), same workload: "
@@ -99,8 +98,7 @@ def main(argv=None) -> None:
                 f"1 prefill + 1 decode replica, KV over the grpc transport. SLOs: TTFT {args.slo_ttft_ms:.0f} ms, "
                 f"TPOT {args.slo_tpot_ms:.0f} ms. A = colocated, B = disaggregated.\n\n{table}\n\n"
                 f"Plots and per-request records: `{args.out}/<mode>/` (latency CDFs, goodput and p99 ITL "
-                f"against rate).\n\n- Command: `{cmd.strip()}`\n"
-                f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- Machine: {machine()}\n")
+                f"against rate).\n\n{provenance(cmd)}\n")
         write_section(body)
 
 

@@ -166,14 +166,13 @@ def main(argv=None) -> None:
     if args.write:
         import sys
 
-        from engine.bench import machine, write_section
+        from engine.bench import provenance, write_section
 
         cmd = "python -m cluster.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Cluster overhead\n\nOne chat request (~40 prompt tokens, {args.max_tokens} new tokens, greedy, "
                 f"{args.dtype}) streamed through `engine.LLM` in-process ({args.threads} torch thread(s)) and through running clusters over gRPC; "
                 f"then {args.concurrent} concurrent streams. Disaggregated: 1 prefill + 1 decode replica, one CPU "
-                f"each; colocated: 2 replicas, one CPU each.\n\n{text}\n\n- Command: `{cmd.strip()}`\n"
-                f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- Machine: {machine()}\n")
+                f"each; colocated: 2 replicas, one CPU each.\n\n{text}\n\n{provenance(cmd)}\n")
         write_section(body)
 
 
