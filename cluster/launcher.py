@@ -122,16 +122,16 @@ class Cluster:
         max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
                       for sc in self.config.stages.values())
         tokenizer = Tokenizer.from_folder(self.model_dir)
-        # the first-token sink: on loopback, or, in a joined cluster, on every
+        # the request channel: on loopback, or, in a joined cluster, on every
         # interface at this host's address (as the KV receivers are)
-        sink_host, advertise = "127.0.0.1", None
+        host, advertise = "127.0.0.1", None
         if self._is_joined:
             import ray
 
-            sink_host, advertise = "0.0.0.0", ray.util.get_node_ip_address()
+            host, advertise = "0.0.0.0", ray.util.get_node_ip_address()
         self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
                                   model_config.vocab_size, Router(self.config.router), self.actors,
-                                  sink_host=sink_host, sink_advertise_host=advertise)
+                                  channel_host=host, channel_advertise_host=advertise)
         await self.backend.start()
         return self.backend
 

@@ -1,22 +1,24 @@
 """The real `Backend`: the router plus the Ray-hosted stage replicas.
 
+Ray hosts the replicas, reports their load and notices when one dies; the
+requests themselves travel over each replica's request channel
+(`engine.channel`), a socket between the replica and this process, so
+neither starting a request nor any of its tokens waits on a Ray call.
+
 A request's path (disaggregated): the router picks a (prefill, decode) pair;
-the prefill replica starts the prompt while the decode replica reserves
-blocks and returns a ticket, which follows to the prefill replica; the
-prefill replica pushes the prompt's KV into those blocks; the decode replica
-streams tokens, which come back here as batches of deltas over a Ray
-streaming generator. Colocated: the one replica does it all.
+the prompt goes to the prefill replica and, in the same moment, a
+reservation to the decode replica, whose ticket (blocks, lease) is passed
+on to the prefill replica as soon as it comes; the prefill replica pushes
+the prompt's KV into those blocks. The first token goes to the client from
+the prefill replica as soon as it is sampled, without waiting for the KV
+transfer; the decode replica then streams the rest, one frame per step (its
+copy of the first token is dropped). Colocated: the one replica does it all.
 
-The first token takes a shorter way: the replica that samples it (prefill,
-or colocated) sends it straight to this process's first-token sink
-(`engine.token_sink`), and, disaggregated, in the prefill result stream too;
-it goes to the client from whichever copy comes first, without waiting for
-the KV transfer, and the decode stream's copy is dropped.
-
-Failures: a prefill that fails (or whose replica dies) fails the decode side
-at once, without waiting for the lease; a decode replica that dies ends its
-streams with an error and is taken out of the router. Every path releases
-the placement and aborts what the request holds.
+Failures: a prefill that fails (or whose replica goes) fails the decode side
+at once, without waiting for the lease; a replica whose channel breaks or
+that Ray reports dead ends its requests with an error and is taken out of
+the router. Every path releases the placement and aborts what the request
+holds.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from collections.abc import AsyncIterator
 from cluster.router import ReplicaLoad, Router
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, ProfileTrace,
                            RequestTimeline, Stage, StageMetrics, TokenLogprob)
+from engine.channel import ChannelError, ChannelServer, FirstToken
 from engine.sampling import SamplingParams as EngineSamplingParams
-from engine.token_sink import FirstToken, TokenSinkServer
 
 log = logging.getLogger(__name__)
 
@@ -51,35 +53,29 @@ def _logprobs(infos, token_ids) -> list[TokenLogprob] | None:
             for t, i in zip(token_ids, infos)]
 
 
-def _skip_first_token(batch: list, first) -> list:
-    """The decode replica's deltas without the first token, which the client
-    already has (``first``, a `engine.token_sink.FirstToken`).
-
-    The decode replica emits that token as a delta of its own; its text is
-    ``first.text``, plus whatever the detokenizer held back when the token
-    also ends the request."""
-    for i, d in enumerate(batch):
-        if not d.token_ids:
-            continue
-        if d.token_ids[0] != first.token_id:  # cannot happen: both sides have the token from the commit
-            log.error("request %s: decode's first token %d is not prefill's %d", d.request_id, d.token_ids[0],
-                      first.token_id)
-        text = d.text[len(first.text):] if d.text.startswith(first.text) else d.text
-        rest = dataclasses.replace(d, token_ids=d.token_ids[1:], text=text,
-                                   logprobs=d.logprobs[1:] if d.logprobs else None)
-        if rest.token_ids or rest.text or rest.finished:
-            return batch[:i] + [rest] + batch[i + 1:]
-        return batch[:i] + batch[i + 1:]
-    return batch
+def _skip_first_token(d, first: FirstToken):
+    """The decode replica's first delta with tokens, without the first token,
+    which the client already has from the prefill replica; None if nothing
+    is left of it. Its text is ``first.text``, plus whatever the detokenizer
+    held back when the token also ends the request."""
+    if d.token_ids[0] != first.token_id:  # cannot happen: both sides have the token from the commit
+        log.error("request %s: decode's first token %d is not prefill's %d", d.request_id, d.token_ids[0],
+                  first.token_id)
+    text = d.text[len(first.text):] if d.text.startswith(first.text) else d.text
+    rest = dataclasses.replace(d, token_ids=d.token_ids[1:], text=text,
+                               logprobs=d.logprobs[1:] if d.logprobs else None)
+    return rest if rest.token_ids or rest.text or rest.finished else None
 
 
 class RayBackend:
     def __init__(self, model_name: str, mode: str, tokenizer, max_model_len: int, vocab_size: int,
                  router: Router, replicas: dict[str, tuple[Stage, object]], load_interval_s: float = 0.05,
-                 sink_host: str | None = "127.0.0.1", sink_advertise_host: str | None = None):
-        """``sink_host``: where the first-token sink (`engine.token_sink`)
-        listens, None for none; replicas reach it at ``sink_advertise_host``
-        (default: ``sink_host``)."""
+                 channel_host: str = "127.0.0.1", channel_advertise_host: str | None = None,
+                 connect_timeout_s: float = 60.0, stall_timeout_s: float = 600.0):
+        """``channel_host``: where the request channel (`engine.channel`)
+        listens; replicas reach it at ``channel_advertise_host`` (default:
+        ``channel_host``). ``stall_timeout_s``: a request that hears nothing
+        from its replicas for this long ends with an error."""
         self.model_name = model_name
         self.mode = mode
         self.tokenizer = tokenizer
@@ -88,28 +84,30 @@ class RayBackend:
         self.router = router
         self.replicas = replicas  # replica id -> (stage, actor handle)
         self.load_interval_s = load_interval_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._poller: asyncio.Task | None = None
-        self.sink = TokenSinkServer(os.urandom(32), sink_host, sink_advertise_host) if sink_host else None
+        self.channels = ChannelServer(os.urandom(32), channel_host, channel_advertise_host,
+                                      on_lost=lambda rid: self._mark_dead(rid, "its request channel broke"))
 
     async def start(self) -> None:
         for rid, (stage, _) in self.replicas.items():
             self.router.add_replica(rid, stage)
-        if self.sink is not None:
-            address = await self.sink.start()
-            await asyncio.gather(*(h.connect_token_sink.remote(address, self.sink.secret)
-                                   for _, h in self.replicas.values()))
+        address = await self.channels.start()
+        await asyncio.gather(*(h.connect_channel.remote(address, self.channels.secret)
+                               for _, h in self.replicas.values()))
+        await self.channels.wait_connected(self.replicas, self.connect_timeout_s)
         await self._poll_loads_once()
         self._poller = asyncio.create_task(self._poll_loads())
 
     async def stop(self) -> None:
-        if self.sink is not None:
-            await self.sink.stop()
         if self._poller is not None:
             self._poller.cancel()
             try:
                 await self._poller
             except asyncio.CancelledError:
                 pass
+        await self.channels.stop()
 
     # ---- load reports ------------------------------------------------------
     async def _poll_loads(self) -> None:
@@ -145,159 +143,127 @@ class RayBackend:
             if r.replica_id == rid and r.is_alive:
                 log.error("replica %s is down: %s", rid, why)
                 self.router.mark_dead(rid)
+        self.channels.drop(rid)  # its requests end now, not when (if ever) the socket notices
 
     # ---- requests ----------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        import ray
-
         placement = await self.router.acquire(request)
         routed_at = time.time()
         rid = request.request_id
         params = engine_params(request)
         ids = request.prompt_token_ids
-        decode = self.replicas[placement.decode_replica][1]
-        prefill = self.replicas[placement.prefill_replica][1] if placement.prefill_replica else None
-        watcher: asyncio.Task | None = None
-        prefill_box: dict = {}
-        # the first token, by the sink or (disaggregated) the prefill replica's result, whichever comes first
-        first_token = self.sink.wait(rid) if self.sink else asyncio.get_running_loop().create_future()
-        sink = self.sink.address if self.sink else None
+        decode, prefill = placement.decode_replica, placement.prefill_replica
         finished = False
         try:
             try:
-                if prefill is None:
-                    await decode.submit.remote(rid, ids, params, sink)
-                else:
-                    # the prompt starts computing while the decode replica reserves
-                    # its blocks; the ticket follows (one round trip off the TTFT)
-                    events = prefill.prefill_stream.options(num_returns="streaming").remote(
-                        rid, ids, params, None, sink)
-                    watcher = asyncio.create_task(self._watch_prefill(
-                        events, placement, decode, rid, prefill_box, first_token))
-                    ticket = await decode.reserve.remote(rid, ids, params)
-                    prefill.attach_ticket.remote(rid, ticket)
-            except ray.exceptions.RayActorError as e:
-                self._mark_dead(placement.decode_replica, e)
-                raise NoReplicaError(f"decode replica {placement.decode_replica} is down") from e
-            stream = decode.stream.options(num_returns="streaming").remote(rid)
-            batches = self._batches(stream, first_token, is_colocated=prefill is None)
+                inbox = self.channels.open(rid, [decode] + ([prefill] if prefill else []))
+            except ChannelError as e:
+                raise NoReplicaError(str(e)) from e
             try:
-                async for batch in batches:
-                    for d in batch:
-                        delta = d if isinstance(d, GenerateDelta) else self._to_delta(d)
-                        if delta.finish_reason is not None:
-                            finished = True
-                            if watcher is not None:
-                                delta.stage_metrics = await self._stage_metrics(watcher, prefill_box)
-                                if "result" in prefill_box:  # the prefix cache that counts is prefill's
-                                    delta.num_cached_tokens = prefill_box["result"].num_cached_tokens
-                            if request.timeline:
-                                delta.timeline = _timeline(request, routed_at, d.metrics, prefill_box.get("result"),
-                                                           colocated=prefill is None)
-                        yield delta
-                        if finished:
-                            return
-            except ray.exceptions.RayActorError as e:
-                self._mark_dead(placement.decode_replica, e)
-                finished = True
-                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
-                                    error=f"decode replica {placement.decode_replica} died mid-stream")
-                return
-            finally:
-                await batches.aclose()
-            finished = True
-            yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error="stream ended without a finish")
+                if prefill is None:
+                    self.channels.send(decode, ("submit", rid, ids, params))
+                else:  # the prompt starts computing while the decode replica reserves its blocks
+                    self.channels.send(prefill, ("prefill", rid, ids, params))
+                    self.channels.send(decode, ("reserve", rid, ids, params))
+            except ChannelError as e:
+                raise NoReplicaError(str(e)) from e
+            async for delta in self._deltas(request, inbox, placement, routed_at):
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
         finally:
             self.router.release(placement)
-            if self.sink is not None:
-                self.sink.discard(rid)
-            if watcher is not None and not watcher.done():
-                watcher.cancel()
+            self.channels.close(rid)
             if not finished:  # the consumer went away, or we failed: free everything
-                await self._abort_on(rid, placement)
+                self._abort_on(rid, placement)
 
-    async def _batches(self, stream, first_token: asyncio.Future, is_colocated: bool):
-        """The decode stream's batches of deltas, the first token first as soon
-        as ``first_token`` has it; the stream's copy of it is then left out.
-
-        Disaggregated, the first token comes from the prefill replica (with
-        its logprobs), without waiting for the KV transfer, and the stream's
-        first token is never used without it. Colocated, the stream's first
-        batch is used as it is if it comes first. A decode stream that fails
-        or ends before the first token (its replica died, the transfer
-        failed) is passed on at once."""
-        pending = asyncio.ensure_future(stream.__anext__())
-        try:
-            await asyncio.wait((first_token, pending), return_when=asyncio.FIRST_COMPLETED)
-            batch = None
-            if first_token.done():
-                first = first_token.result()  # None: the prefill failed; the decode stream says why
-            elif pending.exception() is not None:
-                first = None  # raised below
-            else:  # the decode side spoke first
-                batch = await pending.result()
-                # an error or abort: no first token to wait for; else (disaggregated) it is on its way
-                first = await first_token if any(d.token_ids for d in batch) and not is_colocated else None
-            if first is not None:
-                yield [GenerateDelta(first.request_id, [first.token_id], first.text,
-                                     logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))]
-            if batch is None:
-                batch = await (await pending)  # raises if the decode replica died
-        except StopAsyncIteration:
-            return
-        finally:
-            if not pending.done():
-                pending.cancel()
-        if first is not None:
-            batch = _skip_first_token(batch, first)
-        if batch:
-            yield batch
-        async for ref in stream:
-            yield await ref
-
-    async def _watch_prefill(self, events, placement, decode, rid: str, box: dict,
-                             first_token: asyncio.Future) -> None:
-        import ray
-
-        result = None
-        try:
-            async for ref in events:
-                item = await ref
-                if isinstance(item, FirstToken):
-                    if not first_token.done():
-                        first_token.set_result(item)
-                else:
-                    result = item
-        except ray.exceptions.RayActorError as e:
-            self._mark_dead(placement.prefill_replica, e)
-            box["error"] = f"prefill replica {placement.prefill_replica} died"
-        except Exception as e:
-            box["error"] = f"prefill failed: {type(e).__name__}: {e}"
-        finally:
-            if not first_token.done():
-                first_token.set_result(None)
-        if result is not None:
-            box["result"] = result
-            if result.status == "DONE":
+    async def _deltas(self, request: GenerateRequest, inbox: asyncio.Queue, placement,
+                      routed_at: float) -> AsyncIterator[GenerateDelta]:
+        """The request's deltas from what its replicas send, up to the one that finishes it."""
+        rid = request.request_id
+        decode, prefill = placement.decode_replica, placement.prefill_replica
+        first: FirstToken | None = None  # disaggregated: the prefill replica's first token, until it is skipped
+        prefill_result = None
+        # disaggregated, decode deltas wait for the prefill replica's first
+        # token (it has the logprobs) unless the prefill failed or went
+        streaming = prefill is None
+        held = []
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(inbox.get(), self.stall_timeout_s)
+            except asyncio.TimeoutError:
+                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
+                                    error=f"no word from the replicas for {self.stall_timeout_s:.0f}s")
                 return
-            box["error"] = f"prefill failed: {result.error}"
-        box.setdefault("error", "prefill ended without a result")
-        try:
-            await decode.fail.remote(rid, box["error"])
-        except Exception:
-            pass
+            if kind == "delta":
+                held.append(payload)
+            elif kind == "ticket":
+                self._send(prefill, ("attach", rid, payload))
+            elif kind == "first":
+                first = payload
+                streaming = True
+                yield GenerateDelta(rid, [first.token_id], first.text,
+                                    logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))
+            elif kind == "result":
+                prefill_result = payload
+                if payload.status != "DONE":
+                    streaming = True
+                    self._send(decode, ("fail", rid, f"prefill failed: {payload.error}"))
+            elif kind == "error":  # a replica refused a command of this request
+                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error=payload)
+                return
+            elif kind == "lost":
+                if payload == decode:
+                    yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
+                                        error=f"decode replica {decode} died mid-stream")
+                    return
+                if not streaming:  # the prefill replica went before the first token: the KV will not come
+                    streaming = True
+                    self._send(decode, ("fail", rid, f"prefill replica {prefill} died"))
+            if not held or not (streaming or (held[-1].finished and not held[-1].token_ids)):
+                continue  # (an error or abort from the decode side goes out at once)
+            for d in held:
+                if first is not None and d.token_ids:  # the decode replica's copy of the first token
+                    d, first = _skip_first_token(d, first), None
+                    if d is None:
+                        continue
+                delta = self._to_delta(d)
+                if delta.finish_reason is not None:
+                    if prefill is not None:
+                        if prefill_result is None:
+                            prefill_result = await self._prefill_result(inbox)
+                        delta.stage_metrics = _stage_metrics(prefill_result)
+                        if prefill_result is not None:  # the prefix cache that counts is prefill's
+                            delta.num_cached_tokens = prefill_result.num_cached_tokens
+                    if request.timeline:
+                        delta.timeline = _timeline(request, routed_at, d.metrics, prefill_result,
+                                                   colocated=prefill is None)
+                    yield delta
+                    return
+                yield delta
+            held.clear()
 
-    async def _stage_metrics(self, watcher: asyncio.Task, box: dict) -> StageMetrics | None:
+    async def _prefill_result(self, inbox: asyncio.Queue, timeout_s: float = 1.0):
+        """The prefill replica's result, if it comes within ``timeout_s`` (it is only for the metrics)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, payload = await asyncio.wait_for(inbox.get(), left)
+            except asyncio.TimeoutError:
+                return None
+            if kind == "result":
+                return payload
+        return None
+
+    def _send(self, replica: str | None, msg: tuple) -> None:
+        """A command that may find its replica gone: then the request hears "lost" instead."""
+        if replica is None:
+            return
         try:
-            await asyncio.wait_for(asyncio.shield(watcher), 1.0)
-        except Exception:
+            self.channels.send(replica, msg)
+        except ChannelError:
             pass
-        result = box.get("result")
-        if result is None:
-            return StageMetrics(num_kv_transfer_failures=1)
-        t = result.timings
-        return StageMetrics(t.get("queue_time_s"), t.get("prefill_time_s"), t.get("kv_transfer_time_s"),
-                            int(t.get("kv_transfer_bytes", 0)), 0 if result.status == "DONE" else 1)
 
     @staticmethod
     def _to_delta(d) -> GenerateDelta:
@@ -306,14 +272,9 @@ class RayBackend:
         return GenerateDelta(d.request_id, list(d.token_ids), d.text, finish, logprobs,
                              d.num_cached_tokens, d.error)
 
-    async def _abort_on(self, rid: str, placement) -> None:
+    def _abort_on(self, rid: str, placement) -> None:
         for replica in (placement.decode_replica, placement.prefill_replica):
-            if replica is None:
-                continue
-            try:
-                await asyncio.wait_for(self.replicas[replica][1].abort.remote(rid), 5.0)
-            except Exception:
-                pass
+            self._send(replica, ("abort", rid))
 
     async def profile(self, seconds: float, out_dir: str, with_stack: bool = False) -> list[ProfileTrace]:
         """Record a profiler window of ``seconds`` on every live replica; each
@@ -341,11 +302,19 @@ class RayBackend:
         return traces
 
     async def abort(self, request_id: str) -> None:
-        await asyncio.gather(*(h.abort.remote(request_id) for _, h in self.replicas.values()),
-                             return_exceptions=True)
+        for replica in self.replicas:
+            self._send(replica, ("abort", request_id))
 
     async def status(self) -> ClusterStatus:
         return ClusterStatus(self.model_name, self.mode, self.router.replica_statuses(), self.router.num_waiting)
+
+
+def _stage_metrics(result) -> StageMetrics:
+    if result is None:
+        return StageMetrics(num_kv_transfer_failures=1)
+    t = result.timings
+    return StageMetrics(t.get("queue_time_s"), t.get("prefill_time_s"), t.get("kv_transfer_time_s"),
+                        int(t.get("kv_transfer_bytes", 0)), 0 if result.status == "DONE" else 1)
 
 
 def _timeline(request: GenerateRequest, routed_at: float, decode_metrics: dict, prefill_result,

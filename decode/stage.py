@@ -67,14 +67,12 @@ class DecodeStage(StageLoop):
             self.abort(request_id)
             raise
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: str | None = None) -> None:
-        """Take a whole request (prefill here too). ``sink``: a first-token sink
-        (see connect_token_sink) that gets the first token too."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Take a whole request (prefill here too)."""
         self.core.check_prompt(prompt_token_ids, params.max_tokens)
         self.open_stream(request_id)
         try:
-            self.call(self._submit, request_id, prompt_token_ids, params, sink)
+            self.call(self._submit, request_id, prompt_token_ids, params)
         except BaseException:
             self.abort(request_id)
             raise
@@ -88,12 +86,37 @@ class DecodeStage(StageLoop):
         self._incoming[request_id] = Sequence(request_id, list(prompt_token_ids), params)
         return ticket
 
-    def _submit(self, request_id, prompt_token_ids, params, sink):
+    def _submit(self, request_id, prompt_token_ids, params):
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        if sink is not None:
-            self._first_token_sinks[request_id] = sink
         self.core.add(seq)
         self.outputs.add(seq)
+
+    def _channel_ops(self):
+        return dict(super()._channel_ops(), submit=self._ch_submit, reserve=self._ch_reserve)
+
+    def _ch_submit(self, ch, request_id, prompt_token_ids, params):
+        if not self._route(ch, request_id):
+            return
+        try:
+            self.core.check_prompt(prompt_token_ids, params.max_tokens)
+            self._submit(request_id, prompt_token_ids, params)
+        except Exception as e:
+            self._release(request_id)
+            self._refuse(ch, request_id, e)
+
+    def _ch_reserve(self, ch, request_id, prompt_token_ids, params):
+        if not self._route(ch, request_id):
+            return
+        try:
+            if self.receiver is None:
+                raise RuntimeError(f"{self.replica_id} is colocated: it takes submit, not reserve")
+            self.core.check_prompt(prompt_token_ids, params.max_tokens)
+            ticket = self._reserve(request_id, prompt_token_ids, params)
+        except Exception as e:
+            self._release(request_id)
+            self._refuse(ch, request_id, e)
+            return
+        ch.send(("ticket", request_id, ticket))
 
     def _renew(self, request_id, lease_s):
         if request_id in self._incoming:

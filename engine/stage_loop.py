@@ -5,6 +5,13 @@ output queues for streaming.
 The stages (prefill, decode, colocated) are plain classes built on this; Ray
 hosts them as threaded actors from the launcher, so calls arrive on Ray's
 threads while the engine is only ever touched by the loop thread.
+
+Requests reach a served replica over its request channel to the frontend
+(`engine.channel`): commands come in on the channel's reader thread and run
+on the loop thread; a request that came that way has its outputs sent back
+on the same channel (one frame per step), not to a stream queue. The Python
+API below (submit, reserve, prefill, stream) is the same machinery without
+the channel, for tests and in-process use.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor, RequestOutput
 from engine.profiling import ProfileWindow, enable_nvtx
-from engine.token_sink import FirstToken, TokenSinkClient
+from engine.channel import ChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +94,8 @@ class StageLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._streams_lock = threading.Lock()
-        self.token_sink = TokenSinkClient()
-        self._first_token_sinks: dict[str, str] = {}  # request id -> the sink its first token goes to (loop thread)
+        self._channels: list[ChannelClient] = []
+        self._routes: dict[str, ChannelClient] = {}  # request id -> the channel it came by (loop thread)
         self._stopped = threading.Event()
         self._fatal: str | None = None
         self._load: dict = self._snapshot_load()
@@ -154,10 +161,11 @@ class StageLoop:
         """End a request with an error (e.g. its prefill failed elsewhere)."""
         self.post(self._fail, request_id, error)
 
-    def connect_token_sink(self, address: str, secret: bytes) -> None:
-        """Let requests name the frontend's first-token sink at ``address``
-        (`engine.token_sink`); ``secret`` proves this replica to it."""
-        self.token_sink.register(address, secret)
+    def connect_channel(self, address: str, secret: bytes) -> None:
+        """Dial the frontend's request channel at ``address`` (`engine.channel`);
+        both ends prove they hold ``secret``. Raises if it cannot."""
+        self._channels.append(ChannelClient(address, secret, self.replica_id, self._on_channel_command,
+                                            self._on_channel_lost))
 
     def start_profile(self, out_dir: str, with_stack: bool = False) -> None:
         """Open a profiler window on the loop thread (CPU, plus CUDA on a GPU).
@@ -180,32 +188,37 @@ class StageLoop:
 
     # ---- loop thread ---------------------------------------------------------
     def emit(self, delta: Delta) -> None:
+        ch = self._routes.get(delta.request_id)
+        if ch is not None:
+            if delta.finished:
+                del self._routes[delta.request_id]
+            ch.send(("deltas", None, [delta]))
+            return
         with self._streams_lock:
             q = self._streams.get(delta.request_id)
         if q is not None:
             q.put(delta)
 
     def emit_outputs(self, step_outputs) -> None:
+        """A step's outputs: one frame per channel, the rest to their stream queues."""
         from engine.sequence import SequenceStatus
 
+        frames: dict[ChannelClient, list[Delta]] = {}
         for out in step_outputs:
             ro, stopped = self.outputs.process(out.seq, out.new_token_ids)
             if stopped:
                 self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
                 ro.metrics = out.seq.metrics.as_dict()
             delta = Delta.from_output(ro)
-            if self._first_token_sinks:
-                self._to_sink(delta)
-            self.emit(delta)
-
-    def _to_sink(self, delta: Delta) -> None:
-        """The request's first token to its sink too, unless it also ends the request."""
-        if not delta.token_ids:
-            return
-        sink = self._first_token_sinks.pop(delta.request_id, None)
-        if sink is not None and len(delta.token_ids) == 1 and not delta.finished:
-            self.token_sink.send(sink, FirstToken(delta.request_id, delta.token_ids[0], delta.text,
-                                                  delta.logprobs[0] if delta.logprobs else None))
+            ch = self._routes.get(delta.request_id)
+            if ch is None:
+                self.emit(delta)
+                continue
+            if delta.finished:
+                del self._routes[delta.request_id]
+            frames.setdefault(ch, []).append(delta)
+        for ch, deltas in frames.items():
+            ch.send(("deltas", None, deltas))
 
     def fail_request(self, request_id: str, error: str) -> None:
         self.outputs.discard(request_id)
@@ -213,7 +226,6 @@ class StageLoop:
 
     def _release(self, request_id: str) -> None:
         """Free everything the request holds here, without a word to its stream."""
-        self._first_token_sinks.pop(request_id, None)
         self.core.abort(request_id)
         self.outputs.discard(request_id)
 
@@ -259,7 +271,8 @@ class StageLoop:
                 except Exception:
                     log.exception("%s: could not write the open profile", self.replica_id)
             self._on_stop()
-            self.token_sink.close()
+            for ch in self._channels:
+                ch.close()
 
     def _drain_commands(self, wait: float) -> None:
         try:
@@ -281,6 +294,45 @@ class StageLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    # ---- the request channel (reader thread, then loop thread) ----------------
+    def _channel_ops(self) -> dict[str, Callable]:
+        """Channel command -> loop-thread handler ``(channel, request_id, *args)``."""
+        return {"abort": lambda ch, rid: self._abort(rid), "fail": lambda ch, rid, error: self._fail(rid, error)}
+
+    def _on_channel_command(self, ch: ChannelClient, msg: tuple) -> None:
+        op, rid, *args = msg
+        handler = self._channel_ops().get(op)
+        if handler is None:
+            ch.send(("error", rid, f"{self.replica_id} does not take {op!r}"))
+            return
+        self.post(handler, ch, rid, *args)
+
+    def _on_channel_lost(self, ch: ChannelClient) -> None:
+        self.post(self._drop_channel, ch)
+
+    def _drop_channel(self, ch: ChannelClient) -> None:
+        """Nobody is listening for the requests that came by ``ch``: abort them."""
+        if ch in self._channels:
+            self._channels.remove(ch)
+        for rid in [r for r, c in self._routes.items() if c is ch]:
+            del self._routes[rid]
+            self._abort(rid)
+
+    def _route(self, ch: ChannelClient, request_id: str) -> bool:
+        """Send ``request_id``'s outputs by ``ch``; False (and the caller told) if it is already running."""
+        with self._streams_lock:
+            taken = request_id in self._streams
+        if taken or request_id in self._routes:
+            ch.send(("error", request_id, f"request_id: {request_id!r} is already running on {self.replica_id}"))
+            return False
+        self._routes[request_id] = ch
+        return True
+
+    def _refuse(self, ch: ChannelClient, request_id: str, error: Exception | str) -> None:
+        """Tell the caller a command for ``request_id`` failed; it holds nothing here."""
+        self._routes.pop(request_id, None)
+        ch.send(("error", request_id, str(error)))
 
     def _iterate(self) -> bool:
         """One round of the stage's own work; True if there may be more right away."""

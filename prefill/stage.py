@@ -37,7 +37,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stage_loop import StageLoop, load_engine
-from engine.token_sink import FirstToken
+from engine.channel import FirstToken
 
 
 @dataclass
@@ -56,12 +56,22 @@ class PrefillResult:
 class _Job:
     seq: Sequence
     ticket: object
-    events: queue.SimpleQueue  # the caller's FirstToken, then its PrefillResult
+    events: queue.SimpleQueue | "_ChannelEvents"  # the caller's FirstToken, then its PrefillResult
     next_renew: float
-    sink: str | None = None  # a first-token sink that gets the FirstToken too
     sending: bool = False
     compute_done: float | None = None
     first_token: int | None = None  # sampled before the ticket came: send on attach
+
+
+class _ChannelEvents:
+    """A job's events sent back over the request channel it came by."""
+
+    def __init__(self, ch, request_id: str):
+        self.ch = ch
+        self.request_id = request_id
+
+    def put(self, item) -> None:
+        self.ch.send(("first" if isinstance(item, FirstToken) else "result", self.request_id, item))
 
 
 class PrefillStage(StageLoop):
@@ -92,14 +102,13 @@ class PrefillStage(StageLoop):
         raise AssertionError("prefill_stream ends with a PrefillResult")
 
     def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
-                       sink: str | None = None, timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
-        """prefill(), streamed: yields the `engine.token_sink.FirstToken` as
+                       timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
+        """prefill(), streamed: yields the `engine.channel.FirstToken` as
         soon as it is sampled (unless the request fails first), then the
-        `PrefillResult`. ``sink``: a first-token sink (see connect_token_sink)
-        that gets the FirstToken too, sooner."""
+        `PrefillResult`."""
         self.core.check_prompt(prompt_token_ids, 1)
         events: queue.SimpleQueue = queue.SimpleQueue()
-        self.call(self._add, request_id, prompt_token_ids, params, ticket, events, sink)
+        self.call(self._add, request_id, prompt_token_ids, params, ticket, events)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -117,11 +126,29 @@ class PrefillStage(StageLoop):
         self.post(self._attach, request_id, ticket)
 
     # ---- loop thread -------------------------------------------------------
-    def _add(self, request_id, prompt_token_ids, params, ticket, events, sink) -> None:
+    def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
         self.core.add(seq)
         ticket = ticket or self._early_tickets.pop(request_id, None)
-        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3, sink=sink)
+        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3)
+
+    def _channel_ops(self):
+        return dict(super()._channel_ops(), prefill=self._ch_prefill, attach=self._ch_attach)
+
+    def _ch_attach(self, ch, request_id, ticket) -> None:
+        if request_id in self._jobs:  # else it ended already (its prefill command came first, on this channel)
+            self._attach(request_id, ticket)
+
+    def _ch_prefill(self, ch, request_id, prompt_token_ids, params) -> None:
+        if not self._route(ch, request_id):
+            return
+        try:
+            if request_id in self._jobs:
+                raise ValueError(f"request_id: {request_id!r} is already running on {self.replica_id}")
+            self.core.check_prompt(prompt_token_ids, 1)
+            self._add(request_id, prompt_token_ids, params, None, _ChannelEvents(ch, request_id))
+        except Exception as e:
+            self._refuse(ch, request_id, e)
 
     def _attach(self, request_id: str, ticket) -> None:
         job = self._jobs.get(request_id)
@@ -154,6 +181,7 @@ class PrefillStage(StageLoop):
             if self.core.abort(request_id) is None:  # computed, waiting for its ticket
                 self.core.kv.free(job.seq)
             job.events.put(PrefillResult(request_id, "FAILED", error="aborted"))
+            self._routes.pop(request_id, None)
 
     def _on_batch(self, sched: SchedulerOutput):
         starting = []
@@ -182,10 +210,7 @@ class PrefillStage(StageLoop):
                 job.compute_done = time.monotonic()
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
-                first = self._first_token(out.seq, out.new_token_ids[0])
-                if job.sink is not None:  # to the caller first, by the fast path when it has one
-                    self.token_sink.send(job.sink, first)
-                job.events.put(first)
+                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))  # ahead of the transfer
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
                     continue
@@ -198,6 +223,7 @@ class PrefillStage(StageLoop):
                 continue
             self.core.kv.free(job.seq)
             job.events.put(self._result(job, result))
+            self._routes.pop(result.request_id, None)
         self._renew_leases()
         return busy
 
@@ -249,6 +275,7 @@ class PrefillStage(StageLoop):
         for job in list(self._jobs.values()):
             job.events.put(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
         self._jobs.clear()
+        self._routes.clear()
 
     def close(self) -> None:
         self.stop()

@@ -1,0 +1,123 @@
+"""The request channel between the frontend and a replica: commands reach the
+replica, each event reaches the inbox of its request, a peer without the
+secret gets nothing, and a broken connection ends the requests on it at both
+ends."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+
+import pytest
+
+from engine.channel import ChannelClient, ChannelError, ChannelServer, FirstToken
+from engine.stage_loop import Delta
+
+SECRET = b"s" * 32
+
+
+class Replica:
+    """A replica's end that records its commands and its lost channel."""
+
+    def __init__(self, address: str, secret: bytes = SECRET, replica_id: str = "decode-0"):
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.lost = queue.SimpleQueue()
+        self.client = ChannelClient(address, secret, replica_id, lambda ch, msg: self.commands.put(msg),
+                                    lambda ch: self.lost.put(True))
+
+
+async def _in_thread(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _server(**kw) -> ChannelServer:
+    server = ChannelServer(SECRET, **kw)
+    await server.start()
+    return server
+
+
+def test_commands_reach_the_replica_and_events_reach_their_request():
+    async def main():
+        server = await _server()
+        replica = await _in_thread(Replica, server.address)
+        await server.wait_connected(["decode-0"], 5)
+        inbox = server.open("r1", ["decode-0"])
+        other = server.open("r2", ["decode-0"])
+        server.send("decode-0", ("submit", "r1", [1, 2, 3], {"max_tokens": 4}))
+        assert await _in_thread(replica.commands.get, True, 5) == ("submit", "r1", [1, 2, 3], {"max_tokens": 4})
+        lp = {"token_logprob": -0.25, "top": [[7, -0.25]]}
+        replica.client.send(("first", "r1", FirstToken("r1", 7, " Paris", lp)))
+        replica.client.send(("deltas", None, [Delta("r2", [5], "a"), Delta("r1", [8], "b"), Delta("gone", [1], "")]))
+        assert await asyncio.wait_for(inbox.get(), 5) == ("first", FirstToken("r1", 7, " Paris", lp))
+        assert await asyncio.wait_for(inbox.get(), 5) == ("delta", Delta("r1", [8], "b"))
+        assert await asyncio.wait_for(other.get(), 5) == ("delta", Delta("r2", [5], "a"))
+        with pytest.raises(ValueError, match="already running"):
+            server.open("r1", ["decode-0"])
+        with pytest.raises(ChannelError, match="prefill-0"):
+            server.open("r3", ["prefill-0"])
+        server.close("r1")
+        server.close("r2")
+        replica.client.close()
+        await server.stop()
+    asyncio.run(main())
+
+
+def test_a_peer_without_the_secret_gets_no_channel_and_a_fake_frontend_is_refused():
+    async def main():
+        server = await _server()
+        with pytest.raises((ChannelError, ConnectionError, OSError)):
+            await _in_thread(Replica, server.address, b"wrong" * 8)
+        await asyncio.sleep(0.1)
+        assert not server.is_connected("decode-0")
+        with pytest.raises(ChannelError, match="did not connect"):
+            await server.wait_connected(["decode-0"], 0.2)
+        await server.stop()
+
+        impostor = await _server()  # a "frontend" that does not know the replica's secret
+        impostor.secret = b"x" * 32
+        with pytest.raises((ChannelError, ConnectionError, OSError)):
+            await _in_thread(Replica, impostor.address)
+        await impostor.stop()
+    asyncio.run(main())
+
+
+def test_a_dead_replica_ends_its_requests_and_a_gone_frontend_tells_the_replica():
+    async def main():
+        lost = []
+        server = await _server(on_lost=lost.append)
+        replica = await _in_thread(Replica, server.address)
+        await server.wait_connected(["decode-0"], 5)
+        inbox = server.open("r1", ["decode-0"])
+        replica.client._sock.shutdown(socket.SHUT_RDWR)  # the replica process goes: its socket closes
+        assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
+        assert lost == ["decode-0"] and not server.is_connected("decode-0")
+        with pytest.raises(ChannelError):
+            server.send("decode-0", ("abort", "r1"))
+
+        replica = await _in_thread(Replica, server.address)  # it comes back
+        await server.wait_connected(["decode-0"], 5)
+        server.drop("decode-0")  # Ray says it is dead
+        assert await _in_thread(replica.lost.get, True, 5)
+        assert replica.client.send(("deltas", None, [])) is False
+        await server.stop()
+    asyncio.run(main())
+
+
+def test_an_oversized_frame_drops_the_connection_without_reading_it():
+    async def main():
+        server = await _server()
+        replica = await _in_thread(Replica, server.address)
+        await server.wait_connected(["decode-0"], 5)
+        inbox = server.open("r1", ["decode-0"])
+        replica.client._sock.sendall((1 << 31).to_bytes(4, "big"))
+        assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
+        await server.stop()
+    asyncio.run(main())
+
+
+def test_a_replica_cannot_reach_a_frontend_that_is_not_there():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError):
+        Replica(f"127.0.0.1:{port}")
