@@ -87,6 +87,7 @@ class RayBackend:
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._poller: asyncio.Task | None = None
+        self._reconnecting: set[str] = set()
         self.channels = ChannelServer(os.urandom(32), channel_host, channel_advertise_host,
                                       on_lost=lambda rid: self._mark_dead(rid, "its request channel broke"))
 
@@ -101,6 +102,7 @@ class RayBackend:
         self._poller = asyncio.create_task(self._poll_loads())
 
     async def stop(self) -> None:
+        self.channels.on_lost = None  # the replicas are not failing: we are going
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -137,6 +139,21 @@ class RayBackend:
             self.router.report_load(ReplicaLoad(
                 rid, stage, res["num_queued_prefill_tokens"], res["num_running_seqs"], res["num_free_blocks"],
                 res["num_total_blocks"], frozenset(hashes.get(rid, ())), time.monotonic()))
+            if not self.channels.is_connected(rid) and rid not in self._reconnecting:
+                self._reconnecting.add(rid)
+                asyncio.create_task(self._reconnect(rid))
+
+    async def _reconnect(self, rid: str) -> None:
+        """A replica that Ray says is alive but whose channel broke: dial again, then place on it again."""
+        try:
+            await self.replicas[rid][1].connect_channel.remote(self.channels.address, self.channels.secret)
+            await self.channels.wait_connected([rid], self.connect_timeout_s)
+            self.router.mark_alive(rid)
+            log.warning("replica %s: request channel back", rid)
+        except Exception as e:
+            log.warning("replica %s: request channel still down: %s", rid, e)
+        finally:
+            self._reconnecting.discard(rid)
 
     def _mark_dead(self, rid: str, why) -> None:
         for r in self.router.replicas():

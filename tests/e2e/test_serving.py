@@ -47,6 +47,40 @@ def test_a_one_token_request_gets_its_token_once(cluster):
     _replicas_free(cluster)
 
 
+def test_a_broken_request_channel_fails_its_requests_then_the_replica_serves_again(cluster):
+    """A network fault between the frontend and a live decode replica: the
+    request on it ends with UNAVAILABLE (not a hang), its blocks come back on
+    both sides, and the replica is placed on again once its channel is redialled."""
+    stream = cluster.client.stream("Tell me a long story about a dragon.", **LONG)
+    assert next(stream).token_ids
+    deadline = time.monotonic() + 30
+    while not (busy := [r.replica_id for r in cluster.client.status().replicas
+                        if r.replica_id.startswith("decode") and r.num_running_seqs > 0]):
+        assert time.monotonic() < deadline, "no decode replica took the request"
+        time.sleep(0.05)
+    assert len(busy) == 1, busy
+
+    async def break_channel():
+        cluster.cluster.backend.channels.drop(busy[0])
+    cluster.run(break_channel())
+    with pytest.raises(KVRelayError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and busy[0] in str(err.value)
+    deadline = time.monotonic() + 30
+    while not {r.replica_id: r.is_alive for r in cluster.client.status().replicas}[busy[0]]:
+        assert time.monotonic() < deadline, "the replica was not placed on again"
+        time.sleep(0.1)
+    assert cluster.run(_is_connected(cluster, busy[0]))
+    _replicas_free(cluster)
+    for _ in range(4):  # least_loaded spreads these over both decode replicas again
+        assert cluster.client.generate("Hello", max_tokens=4, temperature=0).finish_reason is not None
+
+
+async def _is_connected(cluster, replica_id):
+    return cluster.cluster.backend.channels.is_connected(replica_id)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
