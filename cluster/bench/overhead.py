@@ -10,11 +10,13 @@
    token no longer waits for) from the cluster's own /metrics.
 2. 16 concurrent streams: output tokens/s, disaggregated (1P + 1D) vs
    colocated (2 replicas), on the same CPUs.
+
+Each cluster is `kvrelay serve` in a process of its own, with its own local
+Ray instance; this process is only the client, as a user's would be.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import threading
 import time
@@ -60,16 +62,39 @@ def engine_single(model_dir: str, dtype: str, max_tokens: int, runs: int):
 
 
 class _Served:
-    def __init__(self, spec: dict):
-        from cluster.launcher import Cluster
-        from cluster.spec import Spec, split_spec
+    """`kvrelay serve SPEC` in its own process, with its own local Ray
+    instance, as a user runs it; the benchmark is only its client."""
 
-        self.cluster = Cluster(split_spec(Spec.model_validate(spec)))
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        fe = asyncio.run_coroutine_threadsafe(self.cluster.start(), self.loop).result(600)
-        self.target = f"127.0.0.1:{fe.grpc_port}"
-        self.http = f"http://127.0.0.1:{fe.http_port}"
+    def __init__(self, spec: dict):
+        import os
+        import re
+        import subprocess
+        import sys
+        import tempfile
+
+        import yaml
+
+        self._spec = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        yaml.safe_dump(spec, self._spec)
+        self._spec.close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", self._spec.name],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, RAY_DEDUP_LOGS="0"))
+        ports = {}
+        deadline = time.monotonic() + 600
+        for line in self.proc.stdout:  # until it prints its endpoints
+            for name, pattern in (("grpc", r"gRPC\s+\S+?:(\d+)"), ("http", r"HTTP\s+http://\S+?:(\d+)")):
+                m = re.search(pattern, line)
+                if m:
+                    ports[name] = int(m.group(1))
+            if len(ports) == 2 or time.monotonic() > deadline:
+                break
+        if len(ports) != 2:
+            self.close()
+            raise RuntimeError(f"kvrelay serve did not come up (exit code {self.proc.returncode})")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # keep it drained
+        self.target = f"127.0.0.1:{ports['grpc']}"
+        self.http = f"http://127.0.0.1:{ports['http']}"
 
     def metric_sum(self, name: str) -> tuple[float, float]:
         text = urllib.request.urlopen(f"{self.http}/metrics", timeout=10).read().decode()
@@ -81,8 +106,16 @@ class _Served:
         return vals.get("_sum", 0.0), vals.get("_count", 0.0)
 
     def close(self):
-        asyncio.run_coroutine_threadsafe(self.cluster.stop(), self.loop).result(120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # a clean shutdown, as Ctrl-C
+            try:
+                self.proc.wait(120)
+            except Exception:
+                self.proc.kill()
+        os.unlink(self._spec.name)
 
 
 def cluster_runs(spec: dict, max_tokens: int, runs: int, concurrent: int):
@@ -130,17 +163,14 @@ def main(argv=None) -> None:
     ap.add_argument("--write", action="store_true", help="replace '## Cluster overhead' in BENCHMARKS.md")
     args = ap.parse_args(argv)
 
-    import ray
-
     from engine.weights import resolve_model
 
     model_dir = str(resolve_model(None))
     import torch
     torch.set_num_threads(args.threads)
     eng = _summ(engine_single(model_dir, args.dtype, args.max_tokens, args.runs))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     one = {"num_cpus": 1}
-    base = {"dtype": args.dtype, "frontend": {"grpc_port": 0, "http_port": 0}}
+    base = {"dtype": args.dtype, "frontend": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0}}
     dis_spec = dict(base, mode="disaggregated", transfer={"backend": "grpc"},
                     prefill={"replicas": 1, "resources": one, "num_kv_blocks": 512, "enable_prefix_caching": False},
                     decode={"replicas": 1, "resources": one, "num_kv_blocks": 1024, "enable_prefix_caching": False})
@@ -149,7 +179,6 @@ def main(argv=None) -> None:
                                "enable_prefix_caching": False})
     dis_single, xfer, dis_tput = cluster_runs(dis_spec, args.max_tokens, args.runs, args.concurrent)
     col_single, _, col_tput = cluster_runs(col_spec, args.max_tokens, args.runs, args.concurrent)
-    ray.shutdown()
     dis, col = _summ(dis_single), _summ(col_single)
     rows = [
         ("TTFT, one request (ms)", f"{eng[0]:.1f}", f"{dis[0]:.1f}", f"{col[0]:.1f}"),
@@ -171,7 +200,8 @@ def main(argv=None) -> None:
         cmd = "python -m cluster.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Cluster overhead\n\nOne chat request (~40 prompt tokens, {args.max_tokens} new tokens, greedy, "
                 f"{args.dtype}) streamed through `engine.LLM` in-process ({args.threads} torch thread(s)) and through running clusters over gRPC; "
-                f"then {args.concurrent} concurrent streams. Disaggregated: 1 prefill + 1 decode replica, one CPU "
+                f"then {args.concurrent} concurrent streams. Each cluster is `kvrelay serve` in its own process "
+                f"(the benchmark is only the client). Disaggregated: 1 prefill + 1 decode replica, one CPU "
                 f"each; colocated: 2 replicas, one CPU each.\n\n{text}\n\n{provenance(cmd)}\n")
         write_section(body)
 
