@@ -1,0 +1,154 @@
+// bf16 matmul on a pre-packed weight layout, for CPUs with AVX512-BF16.
+//
+// y[M, N] = x[M, K] @ W^T for any M: decode batches (1-48 rows) and prefill.
+// W [N, K] is packed once at load (engine/kernels.py PackedWeight) into
+// blocks of 32 output columns with K-pairs interleaved:
+//
+//   packed[b][k/2][c][k%2] = W[32 b + c][k]        shape [ceil(N/32), K/2, 32, 2]
+//
+// so each block is one contiguous run of memory: a thread that owns a range of
+// blocks streams its weights strictly in order (what the hardware prefetcher
+// follows at full bandwidth), and one k-pair of a block is two zmm registers,
+// 32 columns x 2 k. The register tile is MR token rows x 32 columns: per
+// k-pair, the two weight vectors are loaded once and each row's x[m, k:k+2]
+// is broadcast as one 32-bit value; vdpbf16ps accumulates in fp32 straight
+// into the outputs' lanes, so there are no horizontal reductions. Every row
+// of the output is summed in the same order (k ascending) whatever M is, so a
+// token's result does not depend on the batch it is in. Padding columns of
+// the last block are zero and never stored.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#include "ops.h"
+
+namespace kvrelay {
+namespace {
+
+constexpr int64_t kCols = kPackedCols;  // output columns per packed block (two zmm)
+constexpr int kMaxRows = 12;            // rows per register tile: 24 accumulators + 2 weights + 1 broadcast
+
+inline __m512bh bcast_pair(const bf16* p) {  // x[m, k], x[m, k+1] in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+inline void store16(bf16* y, __m512 v, __mmask16 mask) {  // round to nearest even
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  if (mask == 0xFFFF)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), b);
+  else
+    _mm256_mask_storeu_epi16(y, mask, b);
+}
+inline void store16(float* y, __m512 v, __mmask16 mask) {
+  if (mask == 0xFFFF)
+    _mm512_storeu_ps(y, v);
+  else
+    _mm512_mask_storeu_ps(y, mask, v);
+}
+
+// Rows [0, MR) of x (row stride K) against one packed block wb of `cols`
+// valid columns; y: the block's first column of row 0 (row stride N).
+template <int MR, class Out>
+void tile(const bf16* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols) {
+  __m512 lo[MR], hi[MR];
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2, wb += 2 * kCols) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kCols);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = bcast_pair(x + m * K + k);
+      lo[m] = _mm512_dpbf16_ps(lo[m], w0, xv);
+      hi[m] = _mm512_dpbf16_ps(hi[m], w1, xv);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  for (int m = 0; m < MR; ++m) {
+    store16(y + m * N, lo[m], m0);
+    if (m1) store16(y + m * N + 16, hi[m], m1);
+  }
+}
+
+template <class Out>
+using TileFn = void (*)(const bf16*, const bf16*, Out*, int64_t, int64_t, int64_t);
+
+template <class Out, int... R>
+constexpr std::array<TileFn<Out>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &tile<R + 1, Out>...};
+}
+
+// Rows [0, R) against one block: ceil(R / kMaxRows) tiles of near-equal size
+// (16 rows: 8 + 8), the block re-read from L1/L2 for each tile.
+template <class Out>
+inline void rows_x_block(const bf16* x, const bf16* wb, Out* y, int64_t R, int64_t K, int64_t N, int64_t cols) {
+  static constexpr auto table = tile_table<Out>(std::make_integer_sequence<int, kMaxRows>{});
+  const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t r = R / tiles + (t < R % tiles);
+    table[r](x + m * K, wb, y + m * N, K, N, cols);
+    m += r;
+  }
+}
+
+template <class Out>
+void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  // Many rows (prefill): chunks of rows whose activations stay in L2 while a
+  // thread runs them against its blocks; each block is then read from the
+  // L3 once per chunk. Work items are (chunk, block), chunk-major.
+  const int64_t chunk_cap = std::max<int64_t>(48, (384 << 10) / (2 * K) / kMaxRows * kMaxRows);
+  const int64_t chunks = (M + chunk_cap - 1) / chunk_cap;
+  const int64_t chunk_rows = (M + chunks - 1) / chunks;
+  par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t c = i / blocks, blk = i % blocks;
+      const int64_t m0 = c * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
+      rows_x_block(x + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
+                   std::min(kCols, N - blk * kCols));
+    }
+  });
+}
+
+}  // namespace
+
+void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4, what,
+              ": packed weight must be a contiguous bf16 [blocks, K/2, 32, 2] tensor");
+  TORCH_CHECK(n > 0 && k > 0 && k % 2 == 0 && w.size(0) == (n + kCols - 1) / kCols && w.size(1) * 2 == k &&
+                  w.size(2) == kCols && w.size(3) == 2,
+              what, ": packed weight of shape ", w.sizes(), " is not a packed [", n, ", ", k, "] matrix");
+}
+
+void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
+  matmul_impl(x, wp, y, M, K, N, threads);
+}
+
+void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads) {
+  matmul_impl(x, wp, y, M, K, N, threads);
+}
+
+}  // namespace kvrelay
+
+// y = x @ W^T for W packed (engine/kernels.py PackedWeight: [ceil(n/32), K/2, 32, 2] bf16);
+// bf16 or (f32_out) fp32 output. threads <= 0: torch's intra-op thread count.
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, int64_t n, bool f32_out,
+                            int64_t threads) {
+  kvrelay::check_packed(w, n, x.size(-1), "linear_packed");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "linear_packed: x must be [M, K] bf16");
+  auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), n}, xc.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  const int t = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
+  const auto* xp = xc.data_ptr<kvrelay::bf16>();
+  const auto* wp = w.data_ptr<kvrelay::bf16>();
+  if (f32_out)
+    kvrelay::matmul_packed_f32(xp, wp, y.data_ptr<float>(), xc.size(0), xc.size(1), n, t);
+  else
+    kvrelay::matmul_packed(xp, wp, y.data_ptr<kvrelay::bf16>(), xc.size(0), xc.size(1), n, t);
+  return y;
+}
