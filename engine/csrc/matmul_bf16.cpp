@@ -54,11 +54,20 @@ inline void store16(float* y, __m512 v, __mmask16 mask) {
 
 // Rows [0, MR) of x (row stride K) against one packed block wb of `cols`
 // valid columns; y: the block's first column of row 0 (row stride N).
+// Meanwhile the bytes [pf, pf + pf_len) of the block that comes next are
+// fetched into L2, spread evenly over the k loop.
 template <int MR, class Out>
-void tile(const bf16* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols) {
+void tile(const bf16* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
+          int64_t pf_len) {
   __m512 lo[MR], hi[MR];
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  const int64_t pf_step = pf ? (pf_len + K / 2 - 1) / (K / 2) : 0;  // bytes per k-pair
+  int64_t pf_done = 0, pf_due = 0;
   for (int64_t k = 0; k < K; k += 2, wb += 2 * kCols) {
+    if (pf) {
+      pf_due += pf_step;
+      for (; pf_done < pf_due && pf_done < pf_len; pf_done += 64) _mm_prefetch(pf + pf_done, _MM_HINT_T1);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kCols);
     for (int m = 0; m < MR; ++m) {
@@ -76,7 +85,7 @@ void tile(const bf16* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t c
 }
 
 template <class Out>
-using TileFn = void (*)(const bf16*, const bf16*, Out*, int64_t, int64_t, int64_t);
+using TileFn = void (*)(const bf16*, const bf16*, Out*, int64_t, int64_t, int64_t, const char*, int64_t);
 
 template <class Out, int... R>
 constexpr std::array<TileFn<Out>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
@@ -84,14 +93,19 @@ constexpr std::array<TileFn<Out>, sizeof...(R) + 1> tile_table(std::integer_sequ
 }
 
 // Rows [0, R) against one block: ceil(R / kMaxRows) tiles of near-equal size
-// (16 rows: 8 + 8), the block re-read from L1/L2 for each tile.
+// (16 rows: 8 + 8), the block re-read from L1/L2 for each tile. `next`: the
+// block this thread runs next (null: none), prefetched a share per tile, so
+// memory is read at an even rate however many tiles the block takes.
 template <class Out>
-inline void rows_x_block(const bf16* x, const bf16* wb, Out* y, int64_t R, int64_t K, int64_t N, int64_t cols) {
+inline void rows_x_block(const bf16* x, const bf16* wb, Out* y, int64_t R, int64_t K, int64_t N, int64_t cols,
+                         const bf16* next) {
   static constexpr auto table = tile_table<Out>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
+  const int64_t bytes = K * kCols * static_cast<int64_t>(sizeof(bf16));
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = R / tiles + (t < R % tiles);
-    table[r](x + m * K, wb, y + m * N, K, N, cols);
+    const int64_t p0 = bytes * t / tiles, p1 = bytes * (t + 1) / tiles;
+    table[r](x + m * K, wb, y + m * N, K, N, cols, next ? reinterpret_cast<const char*>(next) + p0 : nullptr, p1 - p0);
     m += r;
   }
 }
@@ -109,8 +123,13 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
     for (int64_t i = a; i < b; ++i) {
       const int64_t c = i / blocks, blk = i % blocks;
       const int64_t m0 = c * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
+      // Past one tile, a block takes long enough to compute that memory would sit idle
+      // while it is re-read from L2; fetch the next one meanwhile (16 rows: 12.8 -> 11.7 ms
+      // for a step's matmuls). Up to one tile the hardware prefetcher keeps up, and
+      // software prefetches on top slowed 1-8 rows by up to 8% (side-by-side runs).
+      const bf16* next = m1 - m0 > kMaxRows && i + 1 < b ? wp + (i + 1) % blocks * K * kCols : nullptr;
       rows_x_block(x + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
-                   std::min(kCols, N - blk * kCols));
+                   std::min(kCols, N - blk * kCols), next);
     }
   });
 }
