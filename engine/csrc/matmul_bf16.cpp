@@ -112,6 +112,7 @@ inline void rows_x_block(const bf16* x, const bf16* wb, Out* y, int64_t R, int64
 
 template <class Out>
 void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
+  if (M <= 0) return;
   const int64_t blocks = (N + kCols - 1) / kCols;
   // Many rows (prefill): chunks of rows whose activations stay in L2 while a
   // thread runs them against its blocks; each block is then read from the

@@ -77,6 +77,11 @@ def test_linear_packed_rows_do_not_depend_on_the_batch(native):
         assert torch.equal(native.logits(x[lo:hi], w), native.logits(x, w)[lo:hi])
 
 
+def test_linear_packed_no_rows(native):
+    w = PackedWeight.pack(_rand(40, 64, seed=7))
+    assert native.linear(_rand(0, 64), w).shape == (0, 40)
+
+
 def test_linear_packed_threads_agree(native):
     w = PackedWeight.pack(_rand(333, 576, seed=7))
     x = _rand(16, 576, seed=8)
