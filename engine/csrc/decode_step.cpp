@@ -147,7 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"), py::arg("tables"),
         py::arg("lens"), py::arg("scale"), t, release());
-  py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder")
+  py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder", py::module_local())
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor, torch::Tensor, torch::Tensor,
                     int64_t, int64_t, int64_t, double, double>())
       .def("forward", &kvrelay::FusedDecoder::forward, release());

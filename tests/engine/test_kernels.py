@@ -58,9 +58,10 @@ def test_linear_packed_every_row_count(native, n, k, f32_out):
             _close(got, ref[:m], atol=1e-3 * k ** 0.5)
 
 
-@pytest.mark.parametrize("m, n, k", [(300, 96, 1536), (700, 65, 576), (130, 2000, 64)])
+@pytest.mark.parametrize("m, n, k", [(300, 96, 1536), (700, 65, 576), (130, 2000, 64), (300, 40, 14336),
+                                     (1100, 33, 4096)])
 def test_linear_packed_prefill_sized(native, m, n, k):
-    """Many rows run in chunks of rows (prefill): same numbers as the reference."""
+    """Many rows (prefill; the last two in several chunks of rows): same numbers as the reference."""
     w = PackedWeight.pack(_rand(n, k, seed=3))
     x = _rand(m, k, seed=4)
     _close(native.linear(x, w), F.linear(x.float(), w.unpack().float()), atol=1e-3 * k ** 0.5)
@@ -75,6 +76,11 @@ def test_linear_packed_rows_do_not_depend_on_the_batch(native):
     for lo, hi in [(0, 1), (7, 8), (3, 19), (10, 58), (0, 49), (299, 300), (13, 213)]:
         assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
         assert torch.equal(native.logits(x[lo:hi], w), native.logits(x, w)[lo:hi])
+    w = PackedWeight.pack(_rand(40, 14336, seed=5))  # 144 rows per chunk of rows
+    x = _rand(300, 14336, seed=6)
+    full = native.linear(x, w)
+    for lo, hi in [(0, 1), (140, 150), (143, 300)]:
+        assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
 
 
 def test_linear_packed_no_rows(native):
