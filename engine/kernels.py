@@ -125,7 +125,8 @@ class PackedWeight:
         return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """W[ids] [len(ids), k]: F.embedding(ids, W) without W in row layout."""
+        """W[ids] [len(ids), k]: F.embedding(ids, W) without W in row layout
+        (torch's indexing; NativeOps.embedding is the fast one)."""
         return self.data[ids // self.COLS, :, ids % self.COLS].reshape(ids.shape[0], self.k)
 
 
@@ -138,6 +139,10 @@ class TorchOps:
     @staticmethod
     def logits(hidden, lm_head):  # [N, H] -> [N, vocab] float32
         return F.linear(hidden, lm_head).float()
+
+    @staticmethod
+    def embedding(ids, w):
+        return F.embedding(ids, w)
 
     @staticmethod
     def fused_decoder(model):
@@ -185,6 +190,12 @@ class NativeOps(TorchOps):
         if isinstance(lm_head, PackedWeight):
             return self.ext.linear_packed(hidden, lm_head.data, lm_head.n, f32_out=True)
         return F.linear(hidden, lm_head).float()
+
+    def embedding(self, ids, w):
+        # ids: [T] -> rows of w [T, K]; w: PackedWeight (a tied LM head) or a plain tensor
+        if isinstance(w, PackedWeight):
+            return self.ext.packed_rows(w.data, ids, w.n, w.k)
+        return F.embedding(ids, w)
 
     def fused_decoder(self, model):
         """A FusedDecoder over `model`'s weights (engine.model.LlamaModel), or

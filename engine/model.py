@@ -142,9 +142,8 @@ class LlamaModel:
             self.embed = None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if self.embed is None:  # tied to the packed LM head
-            return self.lm_head.rows(input_ids)
-        return F.embedding(input_ids, self.embed)
+        # embed None: tied to the LM head, which is held packed
+        return self.ops.embedding(input_ids, self.lm_head if self.embed is None else self.embed)
 
     def _to_huge_pages(self) -> None:
         """Every weight into one huge-page arena (engine/hugepages.py): decode streams them all each step."""

@@ -128,6 +128,7 @@ class FusedDecoder {
 
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, int64_t n, bool f32_out,
                             int64_t threads);
+torch::Tensor packed_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t n, int64_t k, int64_t threads);
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& w,
                            double eps, int64_t threads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads);
@@ -142,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto t = py::arg("threads") = -1;  // -1: torch's intra-op thread count
   m.def("linear_packed", &linear_packed, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("f32_out") = false, t,
         release());
+  m.def("packed_rows", &packed_rows, py::arg("w"), py::arg("ids"), py::arg("n"), py::arg("k"), t, release());
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("delta"), py::arg("w"), py::arg("eps"), t, release());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), t, release());
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());

@@ -207,3 +207,26 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, int6
     kvrelay::matmul_packed(xp, wp, y.data_ptr<kvrelay::bf16>(), xc.size(0), xc.size(1), n, t);
   return y;
 }
+
+// Rows `ids` of a packed [n, k] weight W, as bf16 [len(ids), k]: the embedding
+// lookup of a tied LM head, which is held only packed. threads <= 0: torch's count.
+torch::Tensor packed_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t n, int64_t k, int64_t threads) {
+  kvrelay::check_packed(w, n, k, "packed_rows");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "packed_rows: ids must be a 1-D int64 tensor");
+  auto idc = ids.contiguous();
+  const int64_t T = idc.size(0), K2 = k / 2, block = K2 * kvrelay::kPackedCols;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < n, "packed_rows: index ", id[t], " out of range for ", n, " rows");
+  auto out = torch::empty({T, k}, w.options());
+  const auto* src = reinterpret_cast<const int32_t*>(w.data_ptr<kvrelay::bf16>());  // (k, k+1) pairs
+  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<kvrelay::bf16>());
+  const int t_ = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
+  kvrelay::par_for(T, 256, t_, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const int32_t* row = src + id[t] / kvrelay::kPackedCols * block + id[t] % kvrelay::kPackedCols;
+      for (int64_t j = 0; j < K2; ++j) dst[t * K2 + j] = row[j * kvrelay::kPackedCols];
+    }
+  });
+  return out;
+}

@@ -83,6 +83,17 @@ def test_linear_packed_rows_do_not_depend_on_the_batch(native):
         assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
 
 
+def test_packed_rows_is_the_embedding_lookup(native):
+    w = _rand(70, 96, seed=1)
+    p = PackedWeight.pack(w)
+    ids = torch.tensor([0, 31, 32, 69, 5, 5, 64])
+    assert torch.equal(native.embedding(ids, p), w[ids])
+    assert torch.equal(native.embedding(ids, w), w[ids])  # a plain table: F.embedding
+    assert native.embedding(ids[:0], p).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.embedding(torch.tensor([70]), p)
+
+
 def test_linear_packed_no_rows(native):
     w = PackedWeight.pack(_rand(40, 64, seed=7))
     assert native.linear(_rand(0, 64), w).shape == (0, 40)
