@@ -136,18 +136,19 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
   const bf16* xs = xp ? packed_x.get() : x;
   if (xp) {
     bf16* dst = packed_x.get();
-    par_for(chunks, 1, threads, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
+    const int64_t max_tiles = (chunk_rows + kMaxRows - 1) / kMaxRows;  // per chunk
+    par_for(chunks * max_tiles, 4, threads, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const int64_t c = i / max_tiles, t = i % max_tiles;
         const int64_t m0 = c * chunk_rows, R = std::min(M, m0 + chunk_rows) - m0;
         const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
-        for (int64_t t = 0, m = m0; t < tiles; ++t) {
-          const int64_t r = R / tiles + (t < R % tiles);
-          const int32_t* src = reinterpret_cast<const int32_t*>(x + m * K);
-          int32_t* d = reinterpret_cast<int32_t*>(dst + m * K);
-          for (int64_t kp = 0; kp < K / 2; ++kp)
-            for (int64_t j = 0; j < r; ++j) d[kp * r + j] = src[j * (K / 2) + kp];
-          m += r;
-        }
+        if (t >= tiles) continue;
+        // the split of rows_x_block: tile t of the chunk's rows
+        const int64_t m = m0 + t * (R / tiles) + std::min(t, R % tiles), r = R / tiles + (t < R % tiles);
+        const int32_t* src = reinterpret_cast<const int32_t*>(x + m * K);
+        int32_t* d = reinterpret_cast<int32_t*>(dst + m * K);
+        for (int64_t kp = 0; kp < K / 2; ++kp)
+          for (int64_t j = 0; j < r; ++j) d[kp * r + j] = src[j * (K / 2) + kp];
       }
     });
   }
