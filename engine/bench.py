@@ -133,7 +133,7 @@ def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
     steps = new - 1
     decode_s = out.metrics["e2e"] - out.metrics["ttft"]
     weights = [model.lm_head] + [w for L in model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)]
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    weight_bytes = sum(w.nbytes for w in weights)  # a tensor or an engine.kernels.PackedWeight
     big = torch.ones(256 << 20, dtype=torch.bfloat16)  # 512 MB, far past any cache
     big.sum()
     t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 `TorchOps` is plain torch and is the reference (fp32 runs, GPUs, any CPU).
 `NativeOps` is for bf16 on CPUs with AVX512-BF16: C++ kernels compiled on
-first use and cached (csrc/): a skinny matmul for decode, residual add +
+first use and cached (csrc/): a matmul on pre-packed weights (`PackedWeight`)
+for every batch size, decode and prefill, residual add +
 RMSNorm, SiLU-and-multiply, rotary embedding in place, decode attention read
 straight from the paged cache, and `FusedDecoder`, which runs the whole layer
 stack for a batch of decode tokens in one call. Decode on a CPU is bound by
@@ -21,15 +22,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# Matmul kernel by rows (tokens), from side-by-side runs on the 2-core dev
-# machine: up to MAX_SKINNY_ROWS the skinny kernel (memory bound), up to
-# MAX_TILE_ROWS the register-tile kernel, beyond that oneDNN's GEMM.
-MAX_SKINNY_ROWS = 4
-MAX_TILE_ROWS = 48
 # Decode batches up to this many tokens run through FusedDecoder.
 MAX_FUSED_ROWS = 256
 _CSRC = Path(__file__).parent / "csrc"
-_SRCS = [_CSRC / n for n in ("gemv_bf16.cpp", "cpu_ops.cpp", "decode_step.cpp")]
+_SRCS = [_CSRC / n for n in ("matmul_bf16.cpp", "cpu_ops.cpp", "decode_step.cpp")]
 _lock = threading.Lock()
 _ext = None
 _tried = False
@@ -92,14 +88,61 @@ def load_native_ops():
     return _ext
 
 
+class PackedWeight:
+    """A bf16 matmul weight W [n, k] in the layout the native matmul streams
+    (engine/csrc/matmul_bf16.cpp): blocks of 32 output rows of W with pairs of
+    k interleaved, ``data[b, k // 2, c, k % 2] = W[32 * b + c, k]``, shape
+    [ceil(n / 32), k / 2, 32, 2], the padding rows of the last block zero.
+    The same bytes as W (plus the padding), so a model holds its weights once
+    in this layout, not twice; rows of W (an embedding lookup through tied
+    weights) are read back with `rows`."""
+
+    COLS = 32
+    __slots__ = ("data", "n", "k")
+
+    def __init__(self, data: torch.Tensor, n: int, k: int):
+        self.data, self.n, self.k = data, n, k
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> PackedWeight:
+        n, k = w.shape
+        if k % 2:
+            raise ValueError(f"PackedWeight: k = {k} must be even")
+        blocks = -(-n // cls.COLS)
+        w = F.pad(w, (0, 0, 0, blocks * cls.COLS - n))
+        return cls(w.reshape(blocks, cls.COLS, k // 2, 2).transpose(1, 2).contiguous(), n, k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def unpack(self) -> torch.Tensor:
+        """W [n, k] (a copy)."""
+        return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [len(ids), k]: F.embedding(ids, W) without W in row layout
+        (torch's indexing; NativeOps.embedding is the fast one)."""
+        return self.data[ids // self.COLS, :, ids % self.COLS].reshape(ids.shape[0], self.k)
+
+
 class TorchOps:
     """Reference implementations (any dtype, any device)."""
 
     linear = staticmethod(F.linear)
+    packs_weights = False  # matmul weights stay plain [N, K] tensors
 
     @staticmethod
     def logits(hidden, lm_head):  # [N, H] -> [N, vocab] float32
         return F.linear(hidden, lm_head).float()
+
+    @staticmethod
+    def embedding(ids, w):
+        return F.embedding(ids, w)
 
     @staticmethod
     def fused_decoder(model):
@@ -135,54 +178,52 @@ class NativeOps(TorchOps):
     def __init__(self, ext):
         self.ext = ext
 
+    packs_weights = True  # the model holds its matmul weights as PackedWeight
+
     def linear(self, x, w):
-        # x: [T, K], w: [N, K] -> [T, N]
-        if x.shape[1] % 32 == 0:
-            if x.shape[0] <= MAX_SKINNY_ROWS:
-                return self.ext.linear_bf16(x, w)
-            if x.shape[0] <= MAX_TILE_ROWS:
-                return self.ext.linear_bf16(x, w, tiles=True)
+        # x: [T, K], w: PackedWeight [N, K] (or a plain [N, K] tensor) -> [T, N]
+        if isinstance(w, PackedWeight):
+            return self.ext.linear_packed(x, w.data, w.n)
         return F.linear(x, w)
 
     def logits(self, hidden, lm_head):
-        if hidden.shape[1] % 32 == 0:
-            if hidden.shape[0] <= MAX_SKINNY_ROWS:
-                return self.ext.linear_bf16(hidden, lm_head, f32_out=True)
-            if hidden.shape[0] <= MAX_TILE_ROWS:
-                return self.ext.linear_bf16(hidden, lm_head, tiles=True, f32_out=True)
+        if isinstance(lm_head, PackedWeight):
+            return self.ext.linear_packed(hidden, lm_head.data, lm_head.n, f32_out=True)
         return F.linear(hidden, lm_head).float()
 
+    def embedding(self, ids, w):
+        # ids: [T] -> rows of w [T, K]; w: PackedWeight (a tied LM head) or a plain tensor
+        if isinstance(w, PackedWeight):
+            return self.ext.packed_rows(w.data, ids, w.n, w.k)
+        return F.embedding(ids, w)
+
     def fused_decoder(self, model):
-        """A FusedDecoder over `model`'s weights (engine.model.LlamaModel)."""
+        """A FusedDecoder over `model`'s weights (engine.model.LlamaModel), or
+        None where its matmul weights are not packed."""
+        if not all(isinstance(w, PackedWeight) for L in model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w,
+                                                                                L.down_w)):
+            return None
         empty = torch.empty(0, dtype=torch.bfloat16)
-        layers = [[L.in_norm, L.post_norm, L.qkv_w, _or(L.qkv_b, empty), L.o_w, L.gate_up_w, L.down_w,
-                   _or(L.q_norm, empty), _or(L.k_norm, empty)] for L in model.layers]
+        layers = [[L.in_norm, L.post_norm, L.qkv_w.data, _or(L.qkv_b, empty), L.o_w.data, L.gate_up_w.data,
+                   L.down_w.data, _or(L.q_norm, empty), _or(L.k_norm, empty)] for L in model.layers]
         cfg = model.cfg
         return self.ext.FusedDecoder(layers, model.norm, model.rotary.cos, model.rotary.sin, cfg.num_heads,
-                                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
-                                     MAX_SKINNY_ROWS, MAX_TILE_ROWS)
+                                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
 
-    # The elementwise kernels run for decode-sized batches (up to the tile
-    # range), so a decode batch computes the same numbers through the per-op
-    # path as through FusedDecoder; for prefill-sized ones torch's ops are as fast.
+    # The elementwise kernels run for every batch, so a decode batch computes the
+    # same numbers through the per-op path as through FusedDecoder, and for
+    # prefill-sized ones they beat torch's ops (2048 x 576 tokens, side by side:
+    # add + RMSNorm 0.95 -> 0.35 ms, SiLU-and-multiply 2.0 -> 1.0, rotary 0.8 -> 0.2).
     def rms_norm(self, x, w, eps):
-        if x.shape[0] > MAX_TILE_ROWS:
-            return TorchOps.rms_norm(x, w, eps)
-        return self.ext.add_rms_norm(x, None, w, eps)
+        return self.ext.add_rms_norm(x.contiguous(), None, w, eps)
 
     def add_rms_norm(self, x, delta, w, eps):
-        if x.shape[0] > MAX_TILE_ROWS:
-            return TorchOps.add_rms_norm(x, delta, w, eps)
         return x, self.ext.add_rms_norm(x, delta.contiguous(), w, eps)  # x updated in place
 
     def silu_mul(self, gate_up):
-        if gate_up.shape[0] > MAX_TILE_ROWS:
-            return TorchOps.silu_mul(gate_up)
         return self.ext.silu_mul(gate_up.contiguous())
 
     def rope(self, rotary, positions):
-        if positions.shape[0] > MAX_TILE_ROWS:
-            return TorchOps.rope(rotary, positions)
         rope_ = self.ext.rope_
 
         def apply(qk):

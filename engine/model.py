@@ -115,21 +115,48 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
-        if self.device.type == "cpu":
-            self._to_huge_pages()
         from engine.kernels import make_ops
 
         self.ops = make_ops(dtype, self.device, enable=use_kernels)
+        if self.ops.packs_weights:
+            self._pack_matmul_weights()
+        if self.device.type == "cpu":
+            self._to_huge_pages()
         self.fused = self.ops.fused_decoder(self)  # None: every batch takes the per-op path
+
+    def _pack_matmul_weights(self) -> None:
+        """The matmul weights into the native kernel's layout (engine.kernels.PackedWeight),
+        replacing the [N, K] tensors: every matmul, prefill included, runs on the packed
+        copy, so the weights are held once. Tied embeddings are looked up in the packed
+        LM head (`embed_tokens`)."""
+        from engine.kernels import PackedWeight
+
+        if any(w.shape[1] % 2 for w in (self.lm_head, self.layers[0].o_w, self.layers[0].down_w)):
+            return  # the kernel pairs k; an odd size keeps torch's matmul
+        for L in self.layers:
+            for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+                setattr(L, name, PackedWeight.pack(getattr(L, name)))
+        tied = self.lm_head is self.embed
+        self.lm_head = PackedWeight.pack(self.lm_head)
+        if tied:
+            self.embed = None
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        # embed None: tied to the LM head, which is held packed
+        return self.ops.embedding(input_ids, self.lm_head if self.embed is None else self.embed)
 
     def _to_huge_pages(self) -> None:
         """Every weight into one huge-page arena (engine/hugepages.py): decode streams them all each step."""
         from engine.hugepages import pack
+        from engine.kernels import PackedWeight
 
         slots = [(self, "embed"), (self, "lm_head"), (self, "norm")]
-        slots += [(L, name) for L in self.layers for name in Layer.__slots__ if getattr(L, name) is not None]
-        for (obj, name), t in zip(slots, pack([getattr(obj, name) for obj, name in slots])):
-            setattr(obj, name, t)
+        slots += [(L, name) for L in self.layers for name in Layer.__slots__]
+        slots = [(obj, name) for obj, name in slots if getattr(obj, name) is not None]
+        ws = [getattr(obj, name) for obj, name in slots]
+        tensors = pack([w.data if isinstance(w, PackedWeight) else w for w in ws])
+        for (obj, name), w, t in zip(slots, ws, tensors):
+            setattr(obj, name, PackedWeight(t, w.n, w.k) if isinstance(w, PackedWeight) else t)
 
     @torch.no_grad()
     def forward(
@@ -147,12 +174,12 @@ class LlamaModel:
         ops = self.ops
         if (self.fused is not None and not meta.prefills and layer_hook is None and T <= MAX_FUSED_ROWS):
             # a batch of decode tokens only: the whole stack in one native call
-            return self.fused.forward(F.embedding(input_ids, self.embed), positions, meta.slot_blocks,
+            return self.fused.forward(self.embed_tokens(input_ids), positions, meta.slot_blocks,
                                       meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches, torch.get_num_threads())
         linear = ops.linear
         rope = ops.rope(self.rotary, positions)
-        x = F.embedding(input_ids, self.embed)  # [T, H]
+        x = self.embed_tokens(input_ids)  # [T, H]
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         for i, L in enumerate(self.layers):
             qkv = linear(h, L.qkv_w)

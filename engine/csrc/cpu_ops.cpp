@@ -190,6 +190,29 @@ inline void prefetch_head(const bf16* p, int nv) {
   for (int i = 0; i < nv; i += 2) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
 }
 
+// acc[g][:] = sum over t of scores[g][t] * value(t), for GN query heads at once:
+// each value vector is loaded (and widened to fp32) once for all GN heads. Per
+// head the sum runs over t in order, as one head at a time would.
+template <int NV, int GN, class Key>
+inline void weigh_values(const float* scores, int64_t Lp, const Key& key, int64_t kv_stride, int64_t L, float* acc,
+                         int64_t D, bool fetch) {
+  __m512 o[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int d = 0; d < NV; ++d) o[g][d] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const bf16* v = key(t) + kv_stride;
+    if (fetch && t + kAhead < L) prefetch_head(key(t + kAhead) + kv_stride, NV);
+    __m512 vv[NV];
+    for (int d = 0; d < NV; ++d) vv[d] = load16(v + 16 * d);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pv = _mm512_set1_ps(scores[g * Lp + t]);
+      for (int d = 0; d < NV; ++d) o[g][d] = _mm512_fmadd_ps(pv, vv[d], o[g][d]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int d = 0; d < NV; ++d) _mm512_storeu_ps(acc + g * D + 16 * d, o[g][d]);
+}
+
 // One (sequence, KV head) pair: G query heads against the sequence's L keys
 // and values, read in place through its block table. NV: fp32 vectors per
 // head (head_dim / 16), a compile-time constant so the head stays in
@@ -233,11 +256,14 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
   }
   for (int64_t g = 0; g < G; ++g) {  // softmax
     float* sc = scores + g * Lp;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sc[t]);
+    __m512 mxv16 = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) mxv16 = _mm512_max_ps(mxv16, _mm512_loadu_ps(sc + t));
+    float mx = _mm512_reduce_max_ps(mxv16);
+    for (; t < L; ++t) mx = std::max(mx, sc[t]);
     const __m512 mxv = _mm512_set1_ps(mx);
     __m512 sumv = _mm512_setzero_ps();
-    int64_t t = 0;
+    t = 0;
     for (; t + 16 <= L; t += 16) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mxv));
       _mm512_storeu_ps(sc + t, e);
@@ -252,18 +278,19 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
     for (t = 0; t < L; ++t) sc[t] *= inv;
   }
   if constexpr (NV > 0) {
-    // per head, the weighted sum of values in registers (the values stay in L1 across heads)
-    for (int64_t g = 0; g < G; ++g) {
+    // the weighted sums of values in registers, up to 4 heads (16 vectors) per pass over the values
+    for (int64_t g = 0; g < G;) {
+      const int64_t n = std::min<int64_t>(G - g, 16 / NV);
       const float* sc = scores + g * Lp;
-      __m512 o[NV];
-      for (int d = 0; d < NV; ++d) o[d] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < L; ++t) {
-        const bf16* v = key(t) + kv_stride;
-        if (g == 0 && t + kAhead < L) prefetch_head(key(t + kAhead) + kv_stride, NV);
-        const __m512 pv = _mm512_set1_ps(sc[t]);
-        for (int d = 0; d < NV; ++d) o[d] = _mm512_fmadd_ps(pv, load16(v + 16 * d), o[d]);
+      float* ac = acc + g * D;
+      const bool fetch = g == 0;
+      switch (n) {
+        case 1: weigh_values<NV, 1>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        case 2: if constexpr (2 * NV <= 16) weigh_values<NV, 2>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        case 3: if constexpr (3 * NV <= 16) weigh_values<NV, 3>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        default: if constexpr (4 * NV <= 16) weigh_values<NV, 4>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
       }
-      for (int d = 0; d < NV; ++d) _mm512_storeu_ps(acc + g * D + 16 * d, o[d]);
+      g += std::min<int64_t>(n, 4);
     }
   } else {
     std::fill(acc, acc + G * D, 0.f);

@@ -23,13 +23,13 @@ struct LayerWeights {
 class FusedDecoder {
  public:
   // layers: per layer [in_norm, post_norm, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm],
-  // an empty tensor for an absent one (qkv_b, q_norm, k_norm).
+  // an empty tensor for an absent one (qkv_b, q_norm, k_norm); the four matmul
+  // weights packed (matmul_bf16.cpp), the rest plain.
   FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm, torch::Tensor cos,
                torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               double scale, int64_t skinny_rows, int64_t tile_rows)
+               double scale)
       : final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)), nh_(num_heads),
-        nkv_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
-        skinny_rows_(skinny_rows), tile_rows_(tile_rows) {
+        nkv_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
     auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
     for (const auto& l : layers) {
       TORCH_CHECK(l.size() == 9, "FusedDecoder: 9 tensors per layer");
@@ -40,7 +40,14 @@ class FusedDecoder {
     }
     TORCH_CHECK(!layers_.empty(), "FusedDecoder: no layers");
     hidden_ = layers_[0].in_norm.size(0);
-    inter_ = layers_[0].down_w.size(1);
+    inter_ = layers_[0].down_w.size(1) * 2;
+    const int64_t H = hidden_, nq = nh_ * hd_, nqkv = nq + 2 * nkv_ * hd_;
+    for (const auto& L : layers_) {
+      check_packed(L.qkv_w, nqkv, H, "FusedDecoder qkv_w");
+      check_packed(L.o_w, H, nq, "FusedDecoder o_w");
+      check_packed(L.gate_up_w, 2 * inter_, H, "FusedDecoder gate_up_w");
+      check_packed(L.down_w, H, inter_, "FusedDecoder down_w");
+    }
   }
 
   // x: [M, H] embeddings of the M decode tokens (bf16); returns the final
@@ -76,7 +83,7 @@ class FusedDecoder {
       const LayerWeights& L = layers_[li];
       const torch::Tensor& kv = kv_caches[li];
       TORCH_CHECK(kv.scalar_type() == at::kBFloat16 && kv.is_contiguous() && kv.dim() == 5, "KV cache layout");
-      linear(h, L.qkv_w, qkv, threads);
+      linear(h, L.qkv_w, qkv, nqkv, threads);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to bf16, as the unfused model adds it
       if (L.q_norm.defined()) {
         head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.q_norm.data_ptr<bf16>(), eps_, threads);
@@ -93,11 +100,11 @@ class FusedDecoder {
       }
       decode_attention(qkvp, nqkv, kvp, BS, nkv_, tab, tables.size(1), len, attnp, nq, M, nh_, hd_, scale_,
                        threads);
-      linear(attn, L.o_w, proj, threads);
+      linear(attn, L.o_w, proj, H, threads);
       add_rms_norm(xp, projp, L.post_norm.data_ptr<bf16>(), hp, M, H, eps_, threads);
-      linear(h, L.gate_up_w, gu, threads);
+      linear(h, L.gate_up_w, gu, 2 * I, threads);
       silu_mul(gu.data_ptr<bf16>(), act.data_ptr<bf16>(), M, I, threads);
-      linear(act, L.down_w, proj, threads);
+      linear(act, L.down_w, proj, H, threads);
       const torch::Tensor& next = li + 1 < layers_.size() ? layers_[li + 1].in_norm : final_norm_;
       add_rms_norm(xp, projp, next.data_ptr<bf16>(), hp, M, H, eps_, threads);
     }
@@ -105,30 +112,23 @@ class FusedDecoder {
   }
 
  private:
-  // Few rows: the skinny kernel (memory bound); more: register tiles; many: torch's GEMM.
-  void linear(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int threads) const {
-    const int64_t M = x.size(0), K = x.size(1);
-    if (M <= skinny_rows_ && K % 32 == 0) {
-      gemv(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, w.size(0), threads);
-    } else if (M <= tile_rows_ && K % 32 == 0) {
-      gemm(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, w.size(0), threads);
-    } else {
-      at::mm_out(y, x, w.t());
-    }
+  // y [M, N] = x [M, K] @ W^T, W packed: the kernel the per-op path runs (NativeOps.linear).
+  static void linear(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int64_t N, int threads) {
+    matmul_packed(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), x.size(0), x.size(1), N, threads);
   }
 
   std::vector<LayerWeights> layers_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t nh_, nkv_, hd_;
   float eps_, scale_;
-  int64_t skinny_rows_, tile_rows_;
   int64_t hidden_ = 0, inter_ = 0;
 };
 
 }  // namespace kvrelay
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool tiles, bool f32_out,
-                          int64_t threads);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, int64_t n, bool f32_out,
+                            int64_t threads);
+torch::Tensor packed_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t n, int64_t k, int64_t threads);
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& w,
                            double eps, int64_t threads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads);
@@ -141,15 +141,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   auto t = py::arg("threads") = -1;  // -1: torch's intra-op thread count
-  m.def("linear_bf16", &linear_bf16, py::arg("x"), py::arg("w"), py::arg("tiles") = false,
-        py::arg("f32_out") = false, t, release());
+  m.def("linear_packed", &linear_packed, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("f32_out") = false, t,
+        release());
+  m.def("packed_rows", &packed_rows, py::arg("w"), py::arg("ids"), py::arg("n"), py::arg("k"), t, release());
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("delta"), py::arg("w"), py::arg("eps"), t, release());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), t, release());
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"), py::arg("tables"),
         py::arg("lens"), py::arg("scale"), t, release());
-  py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder")
+  py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder", py::module_local())
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor, torch::Tensor, torch::Tensor,
-                    int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
+                    int64_t, int64_t, int64_t, double, double>())
       .def("forward", &kvrelay::FusedDecoder::forward, release());
 }

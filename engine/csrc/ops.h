@@ -1,9 +1,10 @@
 // Raw bf16 CPU kernels shared by the per-op wrappers (cpu_ops.cpp,
-// gemv_bf16.cpp) and the fused decode step (decode_step.cpp). Every kernel
+// matmul_bf16.cpp) and the fused decode step (decode_step.cpp). Every kernel
 // takes `threads`: 1 runs it on the calling thread (no fork/join, no spinning
 // workers), more runs it on torch's intra-op pool.
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <cstdint>
 
@@ -20,13 +21,15 @@ inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
   at::parallel_for(0, n, grain, fn);
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T, K a multiple of 32, rows of x/y contiguous.
-void gemv(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
+// Output columns per block of a packed matmul weight (matmul_bf16.cpp): W [N, K]
+// is stored as [ceil(N/32)][K/2][32][2] bf16, K even, padding columns zero.
+constexpr int64_t kPackedCols = 32;
+// y[M, N] = x[M, K] @ W^T, W packed; rows of x and y contiguous; any M.
+void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
 // Same, fp32 output (the LM head: logits stay fp32).
-void gemv_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads);
-// The same for more rows: 8 x 2 register tiles (compute bound, not load bound).
-void gemm(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
-void gemm_f32(const bf16* x, const bf16* w, float* y, int64_t M, int64_t K, int64_t N, int threads);
+void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads);
+// Checks that w is a packed [n, k] weight (contiguous bf16 [ceil(n/32), k/2, 32, 2]); `what` names the caller.
+void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what);
 // x += delta (skipped when delta is null), out = rms_norm(x) * w; [T, H].
 void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
                   int threads);

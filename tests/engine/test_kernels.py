@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import BatchMetadata, _decode_attention
-from engine.kernels import NativeOps, TorchOps, cpu_has_avx512_bf16, load_native_ops
+from engine.kernels import NativeOps, PackedWeight, TorchOps, cpu_has_avx512_bf16, load_native_ops
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16")
 
@@ -28,12 +28,90 @@ def _close(got, ref, rtol=2 ** -6, atol=2e-2):
     assert torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol), (got.float() - ref.float()).abs().max()
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 13, 16, 48, 49])
-@pytest.mark.parametrize("n, k", [(960, 576), (37, 64), (576, 1536)])
-def test_linear(native, m, n, k):
-    x, w = _rand(m, k, seed=m), _rand(n, k, seed=n)
-    ref = F.linear(x.float(), w.float())  # exact products of the bf16 inputs, fp32 sums
-    _close(native.linear(x, w), ref, atol=1e-3 * k ** 0.5)
+def test_packed_weight_round_trip():
+    w = _rand(70, 96, seed=1)  # 70 rows: two full blocks of 32 and a padded one
+    p = PackedWeight.pack(w)
+    assert p.data.shape == (3, 48, 32, 2) and p.shape == (70, 96)
+    assert torch.equal(p.unpack(), w)
+    assert not p.data[2, :, 6:].any()  # padding rows are zero
+    ids = torch.tensor([0, 31, 32, 69, 5, 5])
+    assert torch.equal(p.rows(ids), w[ids])  # the embedding lookup of tied weights
+    with pytest.raises(ValueError, match="even"):
+        PackedWeight.pack(_rand(4, 33))
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (37, 64), (576, 1536), (100, 96), (65, 160), (49, 608), (1, 32)])
+@pytest.mark.parametrize("f32_out", [False, True])
+def test_linear_packed_every_row_count(native, n, k, f32_out):
+    """M = 1..49 rows (every register tile size and the splits into tiles), N not a
+    multiple of the 32-column blocks, K odd multiples of 32; bf16 and fp32 (LM head) out."""
+    w = PackedWeight.pack(_rand(n, k, seed=n))
+    xs = _rand(49, k, seed=k)
+    ref = F.linear(xs.float(), w.unpack().float())  # exact products of the bf16 inputs, fp32 sums
+    for m in range(1, 50):
+        x = xs[:m]
+        got = native.logits(x, w) if f32_out else native.linear(x, w)
+        assert got.dtype == (torch.float32 if f32_out else torch.bfloat16)
+        if f32_out:
+            _close(got, ref[:m], rtol=1e-5, atol=1e-5 * k ** 0.5)
+        else:
+            _close(got, ref[:m], atol=1e-3 * k ** 0.5)
+
+
+@pytest.mark.parametrize("m, n, k", [(300, 96, 1536), (700, 65, 576), (130, 2000, 64), (300, 40, 14336),
+                                     (1100, 33, 4096)])
+def test_linear_packed_prefill_sized(native, m, n, k):
+    """Many rows (prefill; the last two in several chunks of rows): same numbers as the reference."""
+    w = PackedWeight.pack(_rand(n, k, seed=3))
+    x = _rand(m, k, seed=4)
+    _close(native.linear(x, w), F.linear(x.float(), w.unpack().float()), atol=1e-3 * k ** 0.5)
+
+
+def test_linear_packed_rows_do_not_depend_on_the_batch(native):
+    """Every row is summed in the same order whatever the batch size and the row's
+    place in it, so a token's matmul output is bit-identical alone and in any batch."""
+    w = PackedWeight.pack(_rand(100, 576, seed=5))
+    x = _rand(300, 576, seed=6)
+    full = native.linear(x, w)
+    for lo, hi in [(0, 1), (7, 8), (3, 19), (10, 58), (0, 49), (299, 300), (13, 213)]:
+        assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
+        assert torch.equal(native.logits(x[lo:hi], w), native.logits(x, w)[lo:hi])
+    w = PackedWeight.pack(_rand(40, 14336, seed=5))  # 144 rows per chunk of rows
+    x = _rand(300, 14336, seed=6)
+    full = native.linear(x, w)
+    for lo, hi in [(0, 1), (140, 150), (143, 300)]:
+        assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
+
+
+def test_packed_rows_is_the_embedding_lookup(native):
+    w = _rand(70, 96, seed=1)
+    p = PackedWeight.pack(w)
+    ids = torch.tensor([0, 31, 32, 69, 5, 5, 64])
+    assert torch.equal(native.embedding(ids, p), w[ids])
+    assert torch.equal(native.embedding(ids, w), w[ids])  # a plain table: F.embedding
+    assert native.embedding(ids[:0], p).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.embedding(torch.tensor([70]), p)
+
+
+def test_linear_packed_no_rows(native):
+    w = PackedWeight.pack(_rand(40, 64, seed=7))
+    assert native.linear(_rand(0, 64), w).shape == (0, 40)
+
+
+def test_linear_packed_threads_agree(native):
+    w = PackedWeight.pack(_rand(333, 576, seed=7))
+    x = _rand(16, 576, seed=8)
+    assert torch.equal(native.ext.linear_packed(x, w.data, w.n, threads=1),
+                       native.ext.linear_packed(x, w.data, w.n, threads=2))
+
+
+def test_linear_packed_rejects_a_mismatched_weight(native):
+    w = PackedWeight.pack(_rand(64, 96, seed=9))
+    with pytest.raises(RuntimeError, match="packed"):
+        native.ext.linear_packed(_rand(2, 64), w.data, w.n)  # K 64 against a packed K of 96
+    with pytest.raises(RuntimeError, match="packed"):
+        native.ext.linear_packed(_rand(2, 96), w.data, 65)  # 65 rows need 3 blocks
 
 
 @pytest.mark.parametrize("t", [1, 4, 7])
@@ -94,6 +172,29 @@ def test_bf16_default_model_still_answers(default_model_dir):
     assert llm.core.pool.is_fully_free()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied):
+    """bf16 on this CPU: every matmul weight is a PackedWeight (no [N, K] copy kept);
+    tied embeddings are looked up in the packed LM head, untied ones stay plain."""
+    from engine.model import LlamaModel
+    from engine.weights import load_checkpoint
+    from tests.engine.factories import save_tiny_model
+
+    save_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
+    cfg, weights = load_checkpoint(tmp_path, torch.bfloat16)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128)
+    for L in model.layers:
+        assert all(isinstance(w, PackedWeight) for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w))
+    assert torch.equal(model.layers[1].o_w.unpack(), weights["model.layers.1.self_attn.o_proj.weight"])
+    assert isinstance(model.lm_head, PackedWeight)
+    assert (model.embed is None) == tied
+    ids = torch.tensor([0, 95, 31, 32, 7])
+    assert torch.equal(model.embed_tokens(ids), weights["model.embed_tokens.weight"][ids])
+    head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    h = _rand(3, cfg.hidden_size, seed=10)
+    _close(model.compute_logits(h), F.linear(h.float(), head.float()), rtol=1e-5, atol=1e-4)
+
+
 # ---- the fused decode step ------------------------------------------------------
 
 def _decode_batch(model, kv_caches, ctx_lens, block_size=16, seed=0):
@@ -138,8 +239,8 @@ def _fused_and_per_op(model, kv_caches, ctx_lens):
 
 @pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128, 3, 64, 65, 200]])
 def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens):
-    """Up to 48 decode tokens (MAX_TILE_ROWS), the fused step runs the very kernels of the
-    per-op path in the same order: same hidden states, same KV writes."""
+    """The fused step runs the very kernels of the per-op path in the same order:
+    same hidden states, same KV writes."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
     from engine.weights import load_checkpoint
@@ -154,9 +255,8 @@ def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_le
 
 @pytest.mark.parametrize("kind, rows", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("llama", 64)])
 def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows):
-    """16 decode tokens (register tiles) and 64 (torch's GEMM), qkv bias
-    (Qwen2), q/k norm (Qwen3), head sizes the vector kernels take (Qwen3: 16)
-    and skip (Llama: 8): agree to bf16 rounding."""
+    """16 decode tokens and 64, qkv bias (Qwen2), q/k norm (Qwen3), head sizes the
+    vector kernels take (Qwen3: 16) and skip (Llama: 8): agree to bf16 rounding."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
     from engine.weights import load_checkpoint
@@ -171,3 +271,5 @@ def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows
     _close(got, ref, atol=5e-2)
     for a, b in zip(kv_f, kv_p):
         _close(a, b, atol=5e-2)
+    if kind == "llama":  # no q/k norm (torch's in the per-op path): the same kernels, any batch size
+        assert torch.equal(got, ref)
