@@ -77,6 +77,23 @@ def test_a_broken_request_channel_fails_its_requests_then_the_replica_serves_aga
         assert cluster.client.generate("Hello", max_tokens=4, temperature=0).finish_reason is not None
 
 
+def _thread_niceness(stage):
+    import os
+
+    threads = [stage._thread] + [ch._reader for ch in stage._channels]
+    return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
+
+
+def test_replicas_run_their_loop_and_channel_threads_at_normal_priority(cluster):
+    """Ray starts workers niced (worker_niceness 15): a replica's loop would
+    then give its core to anything that wakes on the host."""
+    import ray
+
+    for rid in cluster.cluster.actors:
+        nice = ray.get(cluster.actor(rid).__ray_call__.remote(_thread_niceness), timeout=30)
+        assert len(nice) == 2 and nice == [0, 0], (rid, nice)
+
+
 async def _is_connected(cluster, replica_id):
     return cluster.cluster.backend.channels.is_connected(replica_id)
 
