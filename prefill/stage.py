@@ -12,7 +12,10 @@ Life-cycle of a request in a prefill replica:
    reuses cached prefix blocks. When a batch holds a prompt's last chunk,
    the KV sender starts that transfer before the forward pass, and the
    per-layer hook pushes layer i as soon as it is written, while layer i+1
-   computes.                                                  [transferring]
+   computes. A ticket that comes while that pass runs (the usual case when
+   the caller starts the prompt first) is picked up between layers: the
+   layers written so far go at once, the rest as they are written.
+                                                              [transferring]
 3. The first token is sampled and committed; the prompt's blocks stay held,
    since the sender still reads them. (A prompt that finished before its
    ticket came is sent whole, all layers at once, when it comes.) The
@@ -26,6 +29,7 @@ Abort at any point frees everything the request holds on this replica.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -88,6 +92,10 @@ class PrefillStage(StageLoop):
         self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
         self._jobs: dict[str, _Job] = {}
         self._early_tickets: dict = {}  # attach_ticket() that overtook its prefill()
+        # tickets as they arrive (any thread), so a forward pass already under
+        # way picks them up between layers instead of sending it all afterwards
+        self._tickets_in: dict = {}
+        self._tickets_lock = threading.Lock()
         super().__init__(replica_id, core, tokenizer)
 
     # ---- API (any thread) --------------------------------------------------
@@ -123,7 +131,15 @@ class PrefillStage(StageLoop):
 
     def attach_ticket(self, request_id: str, ticket) -> None:
         """The decode replica's ticket for a prefill() started without one."""
+        with self._tickets_lock:
+            self._tickets_in[request_id] = ticket
         self.post(self._attach, request_id, ticket)
+
+    def _on_channel_command(self, ch, msg: tuple) -> None:
+        if msg[0] == "attach":  # seen by a forward pass in progress too
+            with self._tickets_lock:
+                self._tickets_in[msg[1]] = msg[2]
+        super()._on_channel_command(ch, msg)
 
     # ---- loop thread -------------------------------------------------------
     def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:
@@ -138,6 +154,9 @@ class PrefillStage(StageLoop):
     def _ch_attach(self, ch, request_id, ticket) -> None:
         if request_id in self._jobs:  # else it ended already (its prefill command came first, on this channel)
             self._attach(request_id, ticket)
+        else:
+            with self._tickets_lock:
+                self._tickets_in.pop(request_id, None)
 
     def _ch_prefill(self, ch, request_id, prompt_token_ids, params) -> None:
         if not self._route(ch, request_id):
@@ -151,9 +170,13 @@ class PrefillStage(StageLoop):
             self._refuse(ch, request_id, e)
 
     def _attach(self, request_id: str, ticket) -> None:
+        with self._tickets_lock:
+            self._tickets_in.pop(request_id, None)
         job = self._jobs.get(request_id)
         if job is None:
             self._early_tickets[request_id] = ticket
+            return
+        if job.sending:  # a forward pass picked the ticket up between layers
             return
         job.ticket = ticket
         if job.first_token is not None:  # computed already: send it whole now
@@ -184,21 +207,43 @@ class PrefillStage(StageLoop):
             self._routes.pop(request_id, None)
 
     def _on_batch(self, sched: SchedulerOutput):
-        starting = []
+        starting, waiting = [], []  # prompts ending in this batch, with and without a ticket
         for s in sched.scheduled:
             job = self._jobs.get(s.seq.request_id)
-            if job is None or not s.samples or job.ticket is None:
+            if job is None or not s.samples:
+                continue
+            if job.ticket is None:
+                waiting.append(job)
                 continue
             self._start_send(job)
             starting.append(job.seq.request_id)
-        if not starting:
+        if not starting and not waiting:
             return None
         push = self.sender.push_layer
 
         def hook(layer: int) -> None:
             for rid in starting:
                 push(rid, layer)
+            if waiting:
+                self._pick_up_tickets(waiting, starting, layer)
         return hook
+
+    def _pick_up_tickets(self, waiting: list, starting: list, layer: int) -> None:
+        """In the layer hook: tickets that came while this forward pass runs
+        start their transfer now, with the layers written so far, and the
+        rest follow layer by layer (the ticket usually comes a moment after
+        the prompt, once the pass has begun)."""
+        with self._tickets_lock:
+            arrived = [(job, self._tickets_in.pop(job.seq.request_id)) for job in waiting
+                       if job.seq.request_id in self._tickets_in]
+        for job, ticket in arrived:
+            waiting.remove(job)
+            job.ticket = ticket
+            self._start_send(job)
+            rid = job.seq.request_id
+            for done_layer in range(layer + 1):
+                self.sender.push_layer(rid, done_layer)
+            starting.append(rid)
 
     def _iterate(self) -> bool:
         busy = False

@@ -76,6 +76,45 @@ def test_disaggregated_request_equals_engine(model_dir, stages, ticket_first):
     assert _wait_free(prefill, decode)
 
 
+def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(model_dir, stages):
+    """The caller starts the prompt before the decode replica's ticket exists;
+    the ticket lands as the forward pass begins. Its KV must go layer by layer
+    from inside that pass, not all at once after it."""
+    prefill, decode = stages
+    p = random_prompts(1, 96, [40], seed=8)[0]
+    ref = LLM(str(model_dir), dtype="float32", num_kv_blocks=64).generate([p], GREEDY)[0]
+    ticket = decode.reserve("mid", p, GREEDY)
+    inside, pushes = [False], []
+    push_layer, on_batch = prefill.sender.push_layer, prefill._on_batch
+
+    def recording_push(rid, layer):
+        pushes.append((layer, inside[0]))
+        return push_layer(rid, layer)
+
+    def late_ticket(sched):
+        hook = on_batch(sched)
+
+        def wrapped(layer):
+            if layer == 0:  # the ticket arrives as the pass has begun
+                prefill.attach_ticket("mid", ticket)
+            inside[0] = True
+            try:
+                if hook is not None:
+                    hook(layer)
+            finally:
+                inside[0] = False
+        return wrapped
+
+    prefill.sender.push_layer, prefill._on_batch = recording_push, late_ticket
+    assert prefill.prefill("mid", p, GREEDY, None, timeout_s=30).status == "DONE"
+    ids, finish = _collect(decode, "mid")
+    assert ids == ref.token_ids and finish == "length"
+    num_layers = len(prefill.core.kv_caches)
+    assert sorted(layer for layer, _ in pushes) == list(range(num_layers))
+    assert all(during for _, during in pushes), pushes  # every layer went from inside the pass
+    assert _wait_free(prefill, decode)
+
+
 def test_abort_while_waiting_for_the_ticket_frees_the_prompt(stages):
     from concurrent.futures import ThreadPoolExecutor
 
