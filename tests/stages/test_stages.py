@@ -106,6 +106,8 @@ def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(mode
         return wrapped
 
     prefill.sender.push_layer, prefill._on_batch = recording_push, late_ticket
+    assert prefill.late_ticket_overlap is False  # the default on CPU, where it costs TTFT
+    prefill.late_ticket_overlap = True  # the default on CUDA
     assert prefill.prefill("mid", p, GREEDY, None, timeout_s=30).status == "DONE"
     ids, finish = _collect(decode, "mid")
     assert ids == ref.token_ids and finish == "length"
