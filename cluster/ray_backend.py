@@ -202,6 +202,7 @@ class RayBackend:
         decode, prefill = placement.decode_replica, placement.prefill_replica
         first: FirstToken | None = None  # disaggregated: the prefill replica's first token, until it is skipped
         prefill_result = None
+        cached_tokens = 0
         # disaggregated, decode deltas wait for the prefill replica's first
         # token (it has the logprobs) unless the prefill failed or went
         streaming = prefill is None
@@ -219,6 +220,7 @@ class RayBackend:
                 self._send(prefill, ("attach", rid, payload))
             elif kind == "first":
                 first = payload
+                cached_tokens = first.num_cached_tokens
                 streaming = True
                 yield GenerateDelta(rid, [first.token_id], first.text,
                                     logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))
@@ -248,11 +250,21 @@ class RayBackend:
                 delta = self._to_delta(d)
                 if delta.finish_reason is not None:
                     if prefill is not None:
+                        # The prefill replica reports its result between forward
+                        # passes, so under load it can come a whole pass (~1 s for
+                        # a long prompt) after the decode side is done: the last
+                        # token does not wait for it unless a timeline was asked
+                        # for; the stage metrics of this request are then not
+                        # recorded.
                         if prefill_result is None:
+                            prefill_result = _queued_result(inbox)
+                        if prefill_result is None and request.timeline:
                             prefill_result = await self._prefill_result(inbox)
-                        delta.stage_metrics = _stage_metrics(prefill_result)
-                        if prefill_result is not None:  # the prefix cache that counts is prefill's
-                            delta.num_cached_tokens = prefill_result.num_cached_tokens
+                        if prefill_result is not None:
+                            delta.stage_metrics = _stage_metrics(prefill_result)
+                        # the prefix cache that counts is prefill's
+                        delta.num_cached_tokens = (prefill_result.num_cached_tokens if prefill_result is not None
+                                                   else cached_tokens)
                     if request.timeline:
                         delta.timeline = _timeline(request, routed_at, d.metrics, prefill_result,
                                                    colocated=prefill is None)
@@ -326,9 +338,16 @@ class RayBackend:
         return ClusterStatus(self.model_name, self.mode, self.router.replica_statuses(), self.router.num_waiting)
 
 
+def _queued_result(inbox: asyncio.Queue):
+    """The prefill replica's result if it is already in the inbox (other messages there are spent)."""
+    while not inbox.empty():
+        kind, payload = inbox.get_nowait()
+        if kind == "result":
+            return payload
+    return None
+
+
 def _stage_metrics(result) -> StageMetrics:
-    if result is None:
-        return StageMetrics(num_kv_transfer_failures=1)
     t = result.timings
     return StageMetrics(t.get("queue_time_s"), t.get("prefill_time_s"), t.get("kv_transfer_time_s"),
                         int(t.get("kv_transfer_bytes", 0)), 0 if result.status == "DONE" else 1)

@@ -74,6 +74,7 @@ class FirstToken:
     token_id: int
     text: str = ""
     logprobs: dict | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill replica found in its prefix cache
 
 
 def _proof(secret: bytes, role: bytes, nonce: bytes) -> bytes:

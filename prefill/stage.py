@@ -294,7 +294,8 @@ class PrefillStage(StageLoop):
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                            skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
             text = detok.step([token_id])
-        return FirstToken(seq.request_id, token_id, text, seq.output_logprobs[0] if seq.output_logprobs else None)
+        return FirstToken(seq.request_id, token_id, text, seq.output_logprobs[0] if seq.output_logprobs else None,
+                          seq.num_prefix_hit_tokens)
 
     def _result(self, job: _Job, result) -> PrefillResult:
         seq = job.seq
