@@ -262,9 +262,7 @@ class RayBackend:
                             prefill_result = await self._prefill_result(inbox)
                         if prefill_result is not None:
                             delta.stage_metrics = _stage_metrics(prefill_result)
-                        # the prefix cache that counts is prefill's
-                        delta.num_cached_tokens = (prefill_result.num_cached_tokens if prefill_result is not None
-                                                   else cached_tokens)
+                        delta.num_cached_tokens = cached_tokens  # the prefix cache that counts is prefill's
                     if request.timeline:
                         delta.timeline = _timeline(request, routed_at, d.metrics, prefill_result,
                                                    colocated=prefill is None)

@@ -222,11 +222,16 @@ class StageLoop:
         self._thread.join(timeout=10)
 
     # ---- loop thread ---------------------------------------------------------
-    def emit(self, delta: Delta) -> None:
+    def _channel_for(self, delta: Delta) -> ChannelClient | None:
+        """The channel ``delta``'s request came by (None: a stream queue's); its last delta ends the route."""
         ch = self._routes.get(delta.request_id)
+        if ch is not None and delta.finished:
+            del self._routes[delta.request_id]
+        return ch
+
+    def emit(self, delta: Delta) -> None:
+        ch = self._channel_for(delta)
         if ch is not None:
-            if delta.finished:
-                del self._routes[delta.request_id]
             ch.send(("deltas", None, [delta]))
             return
         with self._streams_lock:
@@ -245,13 +250,11 @@ class StageLoop:
                 self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
                 ro.metrics = out.seq.metrics.as_dict()
             delta = Delta.from_output(ro)
-            ch = self._routes.get(delta.request_id)
+            ch = self._channel_for(delta)
             if ch is None:
                 self.emit(delta)
-                continue
-            if delta.finished:
-                del self._routes[delta.request_id]
-            frames.setdefault(ch, []).append(delta)
+            else:
+                frames.setdefault(ch, []).append(delta)
         for ch, deltas in frames.items():
             ch.send(("deltas", None, deltas))
 

@@ -144,15 +144,19 @@ class PrefillStage(StageLoop):
 
     def attach_ticket(self, request_id: str, ticket) -> None:
         """The decode replica's ticket for a prefill() started without one."""
-        with self._tickets_lock:
-            self._tickets_in[request_id] = ticket
+        self._ticket_in(request_id, ticket)
         self.post(self._attach, request_id, ticket)
 
     def _on_channel_command(self, ch, msg: tuple) -> None:
-        if msg[0] == "attach":  # seen by a forward pass in progress too
-            with self._tickets_lock:
-                self._tickets_in[msg[1]] = msg[2]
+        if msg[0] == "attach":
+            self._ticket_in(msg[1], msg[2])
         super()._on_channel_command(ch, msg)
+
+    def _ticket_in(self, request_id: str, ticket) -> None:
+        """Any thread: a forward pass in progress picks the ticket up between layers (late_ticket_overlap)."""
+        if self.late_ticket_overlap:
+            with self._tickets_lock:
+                self._tickets_in[request_id] = ticket
 
     # ---- loop thread -------------------------------------------------------
     def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:

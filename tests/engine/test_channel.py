@@ -36,11 +36,17 @@ async def _server(**kw) -> ChannelServer:
     return server
 
 
+async def _connected(**kw) -> tuple[ChannelServer, Replica]:
+    """A server with decode-0 dialled in."""
+    server = await _server(**kw)
+    replica = await _in_thread(Replica, server.address)
+    await server.wait_connected(["decode-0"], 5)
+    return server, replica
+
+
 def test_commands_reach_the_replica_and_events_reach_their_request():
     async def main():
-        server = await _server()
-        replica = await _in_thread(Replica, server.address)
-        await server.wait_connected(["decode-0"], 5)
+        server, replica = await _connected()
         inbox = server.open("r1", ["decode-0"])
         other = server.open("r2", ["decode-0"])
         server.send("decode-0", ("submit", "r1", [1, 2, 3], {"max_tokens": 4}))
@@ -84,9 +90,7 @@ def test_a_peer_without_the_secret_gets_no_channel_and_a_fake_frontend_is_refuse
 def test_a_dead_replica_ends_its_requests_and_a_gone_frontend_tells_the_replica():
     async def main():
         lost = []
-        server = await _server(on_lost=lost.append)
-        replica = await _in_thread(Replica, server.address)
-        await server.wait_connected(["decode-0"], 5)
+        server, replica = await _connected(on_lost=lost.append)
         inbox = server.open("r1", ["decode-0"])
         replica.client._sock.shutdown(socket.SHUT_RDWR)  # the replica process goes: its socket closes
         assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
@@ -105,9 +109,7 @@ def test_a_dead_replica_ends_its_requests_and_a_gone_frontend_tells_the_replica(
 
 def test_an_oversized_frame_drops_the_connection_without_reading_it():
     async def main():
-        server = await _server()
-        replica = await _in_thread(Replica, server.address)
-        await server.wait_connected(["decode-0"], 5)
+        server, replica = await _connected()
         inbox = server.open("r1", ["decode-0"])
         replica.client._sock.sendall((1 << 31).to_bytes(4, "big"))
         assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
