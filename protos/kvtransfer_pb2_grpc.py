@@ -49,7 +49,7 @@ class KVTransferStub:
                 request_serializer=protos_dot_kvtransfer__pb2.RenewRequest.SerializeToString,
                 response_deserializer=protos_dot_kvtransfer__pb2.Ack.FromString,
                 _registered_method=True)
-        self.Push = channel.unary_unary(
+        self.Push = channel.stream_stream(
                 '/kvrelay.kvtransfer.KVTransfer/Push',
                 request_serializer=protos_dot_kvtransfer__pb2.Chunk.SerializeToString,
                 response_deserializer=protos_dot_kvtransfer__pb2.Ack.FromString,
@@ -92,8 +92,9 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Push(self, request, context):
-        """grpc transport: the bytes ride in Chunk.data.
+    def Push(self, request_iterator, context):
+        """grpc transport: the bytes ride in Chunk.data, on a long-lived stream per
+        connection; the receiver answers every Chunk with one Ack, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,7 +138,7 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_kvtransfer__pb2.RenewRequest.FromString,
                     response_serializer=protos_dot_kvtransfer__pb2.Ack.SerializeToString,
             ),
-            'Push': grpc.unary_unary_rpc_method_handler(
+            'Push': grpc.stream_stream_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=protos_dot_kvtransfer__pb2.Chunk.FromString,
                     response_serializer=protos_dot_kvtransfer__pb2.Ack.SerializeToString,
@@ -250,7 +251,7 @@ class KVTransfer:
             _registered_method=True)
 
     @staticmethod
-    def Push(request,
+    def Push(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -260,8 +261,8 @@ class KVTransfer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/kvrelay.kvtransfer.KVTransfer/Push',
             protos_dot_kvtransfer__pb2.Chunk.SerializeToString,

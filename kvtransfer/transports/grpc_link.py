@@ -1,21 +1,25 @@
-"""The `grpc` transport: KV bytes ride in unary Push calls, round-robin over ``num_channels`` connections.
+"""The `grpc` transport: KV bytes ride on long-lived Push streams, round-robin over ``num_channels`` connections.
 
 Messages are sized by the planner (``max_chunk_bytes``), and at most
 ``window`` chunks are in flight per link (HTTP/2 adds its own flow control
-underneath). A Push is encoded by hand as valid protobuf: the small header
+underneath). A Chunk is encoded by hand as valid protobuf: the small header
 fields, then field 15 (data) whose bytes are joined straight from the source
 slabs; the receiver parses the header and keeps the data as a view. What
-grpcio adds is one copy per side (bytes into its slice; slices into the
-bytes handed to the handler). Starting a call does that copy and the first
-socket write in the calling thread, so each connection has its own starting
-thread and the sender's worker goes on to join the next chunk.
+grpcio adds is one copy on the sending side (bytes into its slice) and its
+reassembly of the received slices into the bytes handed to the handler.
+A stream per connection rather than a unary call per chunk: no call setup,
+metadata or handler dispatch per chunk (on the 2-vCPU bench machine a 94 MB
+transfer went from ~70 to ~55 ms with it).
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import queue
 import threading
+import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import grpc
 import torch
@@ -32,6 +36,7 @@ from protos import kvtransfer_pb2_grpc as pb_grpc
 
 _DATA_TAG = bytes([(15 << 3) | 2])  # field 15, length-delimited
 _SERVICE = "/kvrelay.kvtransfer.KVTransfer/"
+_END = object()  # closes a Push stream's request iterator
 
 
 def _varint(n: int) -> bytes:
@@ -112,22 +117,91 @@ class GrpcControl(Link):
         self.channel.close()
 
 
+class PushStream:
+    """One long-lived Push stream on one connection: Chunks go out in order and Acks come back in order.
+
+    grpcio's consumer thread takes the messages from a queue, copies each into
+    gRPC and writes it; a reader thread resolves the oldest waiting future per
+    Ack. The stream ends on close(), on a transport error, or when the oldest
+    chunk was not acknowledged within ``chunk_timeout_s`` (a stuck receiver);
+    then every waiting future resolves with Ack(ok=False) and ``is_dead`` is set.
+    """
+
+    def __init__(self, method, metadata, chunk_timeout_s: float, name: str):
+        self.chunk_timeout_s = chunk_timeout_s
+        self.is_dead = False
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[tuple[float, Future]] = collections.deque()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._responses = method(iter(self._outbox.get, _END), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, name=f"{name}-acks", daemon=True)
+        self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
+        self._watchdog.start()
+
+    def send(self, message: bytes, out: Future) -> None:
+        with self._lock:
+            if self.is_dead:
+                error = self._error
+            else:
+                self._waiting.append((time.monotonic(), out))
+                self._outbox.put(message)  # under the lock: queue order == waiting order
+                return
+        out.set_result(Ack(False, error=error))
+
+    def close(self) -> None:
+        self._outbox.put(_END)  # half-close: the receiver answers what it has, then the stream ends
+        if not self.is_dead:
+            self._reader.join(timeout=min(5.0, self.chunk_timeout_s))
+        self._end("link closed")
+
+    def _read(self) -> None:
+        try:
+            for reply in self._responses:
+                with self._lock:
+                    _, out = self._waiting.popleft()
+                out.set_result(Ack(reply.ok, reply.dropped, reply.error))
+            self._end("receiver ended the stream")
+        except grpc.RpcError as e:
+            self._end(f"{e.code().name}: {e.details()}")
+        except Exception as e:  # an Ack nobody waited for: the receiver broke the protocol
+            self._end(f"{type(e).__name__}: {e}")
+
+    def _watch(self) -> None:
+        while not self._wake.wait(min(1.0, self.chunk_timeout_s / 4)):
+            with self._lock:
+                oldest = self._waiting[0][0] if self._waiting else None
+            if oldest is not None and time.monotonic() - oldest > self.chunk_timeout_s:
+                self._end(f"DEADLINE_EXCEEDED: receiver did not acknowledge a chunk within {self.chunk_timeout_s}s")
+
+    def _end(self, error: str) -> None:
+        with self._lock:
+            if self.is_dead:
+                return
+            self.is_dead, self._error = True, error
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        self._wake.set()
+        self._responses.cancel()
+        for _, out in waiting:
+            out.set_result(Ack(False, error=error))
+
+
 class GrpcLink(GrpcControl):
-    """Pushes round-robin over ``num_channels`` connections (each its own TCP socket and gRPC I/O)."""
+    """Pushes round-robin over ``num_channels`` connections (each its own TCP socket and Push stream)."""
 
     transport = "grpc"
 
     def __init__(self, *args, window: int = 16, num_channels: int = 2, **kwargs):
+        self._is_broken = False
         super().__init__(*args, **kwargs)
         address = self.endpoint.split("://", 1)[1]
         self._data_channels = [grpc.insecure_channel(address, options=grpc_options() + [
             ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
-        self._pushes = [c.unary_unary(_SERVICE + "Push", request_serializer=None,
-                                      response_deserializer=pb.Ack.FromString) for c in self._data_channels]
-        # Starting a call copies the message into gRPC and writes what the socket takes, in the
-        # caller's thread: one thread per connection lets the connections write in parallel.
-        self._issuers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-push")
-                         for _ in self._data_channels]
+        self._streams = [PushStream(c.stream_stream(_SERVICE + "Push", request_serializer=None,
+                                                    response_deserializer=pb.Ack.FromString),
+                                    self.metadata, self.chunk_timeout_s, name=f"kvt-push{i}")
+                         for i, c in enumerate(self._data_channels)]
         self._next = itertools.count()
         self._window = threading.Semaphore(window)
 
@@ -138,9 +212,17 @@ class GrpcLink(GrpcControl):
         heap.keep_large_buffers()
         return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
 
+    @property
+    def is_broken(self) -> bool:
+        return self._is_broken or any(s.is_dead for s in self._streams)
+
+    @is_broken.setter
+    def is_broken(self, value: bool) -> None:
+        self._is_broken = value
+
     def close(self) -> None:
-        for issuer in self._issuers:
-            issuer.shutdown(wait=True)
+        for stream in self._streams:
+            stream.close()
         for c in self._data_channels:
             c.close()
         super().close()
@@ -165,6 +247,5 @@ class GrpcLink(GrpcControl):
             return done(Ack(False, error="flow-control window stuck: receiver not acknowledging"))
         out: Future = Future()
         out.add_done_callback(lambda _: self._window.release())
-        i = next(self._next) % len(self._pushes)
-        self._issuers[i].submit(self._call, self._pushes[i], message, None, out)
+        self._streams[next(self._next) % len(self._streams)].send(message, out)
         return out

@@ -129,11 +129,20 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self._session(context)
         return to_pb(self.core.renew(request.transfer_id, request.lease_s))
 
-    def Push(self, request: bytes, context):
-        """A Chunk kept as raw bytes until here, so that malformed bytes get a clear Ack, not INTERNAL."""
-        self._session(context)
+    def Push(self, requests, context):
+        """A stream of Chunks kept as raw bytes until here, so that malformed bytes get a clear Ack, not INTERNAL.
+
+        One Ack per Chunk, in order. The session is checked per chunk: a session dropped meanwhile ends the stream.
+        """
+        session_id = self._session(context).session_id
+        for raw in requests:
+            if self.core.session(session_id) is None:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "session ended: handshake again")
+            yield self._push(raw)
+
+    def _push(self, raw: bytes) -> pb.Ack:
         try:
-            header, data = split_chunk(request)
+            header, data = split_chunk(raw)
         except ValueError as e:
             return pb.Ack(ok=False, error=f"malformed chunk: {e}")
         crc = header.crc32 if header.has_checksum else None
@@ -174,7 +183,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
 
 
 def method_handlers(servicer: KVTransferServicer):
-    """The service's handlers; Push gets its raw bytes and keeps the data as a view (split_chunk), no parsed copy."""
+    """The service's handlers; Push gets raw bytes and keeps the data as a view (split_chunk), no parsed copy."""
     def unary(fn, deserializer):
         return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=deserializer,
                                                    response_serializer=pb.Ack.SerializeToString)
@@ -185,7 +194,8 @@ def method_handlers(servicer: KVTransferServicer):
         "Handshake": grpc.unary_unary_rpc_method_handler(servicer.Handshake, pb.HandshakeRequest.FromString,
                                                          pb.HandshakeReply.SerializeToString),
         "Renew": unary(servicer.Renew, pb.RenewRequest.FromString),
-        "Push": unary(servicer.Push, None),
+        "Push": grpc.stream_stream_rpc_method_handler(servicer.Push, request_deserializer=None,
+                                                      response_serializer=pb.Ack.SerializeToString),
         "Announce": unary(servicer.Announce, pb.Chunk.FromString),
         "Commit": unary(servicer.Commit, pb.CommitRequest.FromString),
         "Abort": unary(servicer.Abort, pb.AbortRequest.FromString),

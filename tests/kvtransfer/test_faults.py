@@ -1,6 +1,8 @@
 """Every transfer ends DONE or FAILED in bounded time, and no late write touches a block."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 import zlib
 
@@ -98,6 +100,53 @@ def test_receiver_killed_sender_fails_within_deadline(transport):
     assert pool.is_fully_free()
 
 
+def test_stuck_receiver_fails_the_chunk_within_its_timeout_and_the_link_is_replaced():
+    """A receiver that stops answering (SIGSTOP: its socket stays open) fails the send after chunk_timeout_s,
+    long before the transfer's deadline; once it answers again, the next transfer opens a fresh link."""
+    proc, conn, _ = spawn(receiver_peer, "grpc", "bfloat16", {})
+    spec = make_spec("bfloat16")
+    kv, pool = make_source(spec, 3), BlockPool(NUM_BLOCKS)
+    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=60.0, chunk_timeout_s=1.5)
+
+    tickets = {}
+    for rid in ("before", "stuck", "after"):  # reserved up front: a stopped receiver answers nothing
+        conn.send(("reserve", rid, 50, 30.0))
+        tickets[rid] = conn.recv()
+
+    def send(rid, commit=True):
+        ticket = tickets[rid]
+        src = pool.allocate(len(ticket.block_ids))
+        tx.start(ticket, kv, src, 50)
+        for layer in range(spec.num_layers):
+            tx.push_layer(rid, layer)
+        if commit:
+            tx.commit(rid, 7)
+        return src
+
+    try:
+        src = send("before")
+        [r] = wait_results(tx, count=1, timeout_s=10)
+        assert r.status == "DONE"
+        pool.free(src)
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.time()
+        src = send("stuck", commit=False)  # only chunks wait for an answer (a commit has its own timeout)
+        [r] = wait_results(tx, count=1, timeout_s=10)
+        assert r.status == "FAILED" and "did not acknowledge" in r.error, r.error
+        assert time.time() - started <= 1.5 + 1.5  # the watchdog's period plus slack, not the 60 s deadline
+        pool.free(src)
+        os.kill(proc.pid, signal.SIGCONT)
+        src = send("after")
+        [r] = wait_results(tx, count=1, timeout_s=10)
+        assert r.status == "DONE", r.error
+        pool.free(src)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        tx.close()
+        kill(proc)
+    assert pool.is_fully_free()
+
+
 @pytest.mark.parametrize("transport", ALL)
 def test_wrong_secret_is_refused(receiver, transport):
     rx, spec = receiver(transport)
@@ -140,7 +189,7 @@ def test_calls_without_a_session_are_unauthenticated(receiver):
     with grpc.insecure_channel(rx.endpoint.split("://")[1]) as channel:
         stub = pb_grpc.KVTransferStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Push(pb.Chunk(transfer_id="x", layer=0, num_blocks=1, data=b"\0" * 16), timeout=5)
+            next(stub.Push(iter([pb.Chunk(transfer_id="x", layer=0, num_blocks=1, data=b"\0" * 16)]), timeout=5))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert rx.pool.is_fully_free()
 
@@ -250,7 +299,7 @@ def test_checksum_mismatch_fails_the_transfer(receiver):
     data = bytes(rx.core.slab_bytes)
     chunk = pb.Chunk(transfer_id=ticket.transfer_id, layer=0, first_block=0, num_blocks=1, nbytes=len(data),
                      has_checksum=True, crc32=zlib.crc32(data) ^ 1, data=data)
-    ack = link.stub.Push(chunk, metadata=link.metadata, timeout=10)
+    [ack] = link.stub.Push(iter([chunk]), metadata=link.metadata, timeout=10)
     assert not ack.ok and "checksum" in ack.error
     link.close()
     assert [r.status for r in rx.poll()] == ["FAILED"]
@@ -260,8 +309,8 @@ def test_checksum_mismatch_fails_the_transfer(receiver):
 def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
     rx, spec = receiver("grpc")
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
-    push = link.channel.unary_unary("/kvrelay.kvtransfer.KVTransfer/Push", request_serializer=None,
-                                    response_deserializer=pb.Ack.FromString)
+    push = link.channel.stream_stream("/kvrelay.kvtransfer.KVTransfer/Push", request_serializer=None,
+                                      response_deserializer=pb.Ack.FromString)
     ticket = rx.reserve("r", 16)
     header = pb.Chunk(transfer_id=ticket.transfer_id, layer=0, first_block=0, num_blocks=1,
                       nbytes=rx.core.slab_bytes).SerializeToString()
@@ -269,8 +318,9 @@ def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
     frames = [b"\xff\xff\xff",  # a varint that never ends
               header + bytes([15 << 3 | 2]) + b"\x80\x80\x04" + b"\0" * 10,  # data claims 64 KiB, has 10 bytes
               header + bytes([15 << 3 | 7])]  # wire type 7 does not exist
-    for frame in frames:
-        ack = push(frame, metadata=link.metadata, timeout=10)
+    acks = list(push(iter(frames), metadata=link.metadata, timeout=10))  # one stream: it goes on after each
+    assert len(acks) == len(frames)
+    for ack in acks:
         assert not ack.ok and ack.error.startswith("malformed chunk:"), ack.error
     assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes))
     assert rx.poll() == []  # nothing trustworthy named the transfer: it stays open for its real chunks
