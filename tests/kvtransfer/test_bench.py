@@ -8,12 +8,12 @@ from kvtransfer import bench
 
 
 def test_section_reads_targets_against_the_socket_of_the_same_run():
-    rows = [("socket (bound)", 4096, 0.030), ("grpc", 4096, 0.050), ("nccl", 4096, 0.045)]
+    rows = [("socket (bound)", 4096, 0.030, 0.1), ("grpc", 4096, 0.050, 0.2), ("nccl", 4096, 0.045, 0.2)]
     ratios = {("socket (bound)", 4096): [100.0], ("grpc", 4096): [55.0, 65.0], ("nccl", 4096): [60.0, 70.0]}
     overlap = [("grpc", "sleep", 0.032, 0.002)]
     text = bench.section(SimpleNamespace(reps=2), rows, ratios, overlap, "python -m kvtransfer.bench --write")
     assert text.startswith("## KV transfer\n")
-    assert "| grpc | 4096 | 94.4 | 50.0 | 1.89 | 60% | 55–65% |" in text
+    assert "| grpc | 4096 | 94.4 | 50.0 | 1.89 | 60% | 55–65% | 200.0 |" in text
     assert "**met**: 60% (rounds 55–65%)" in text  # grpc >= 50%
     assert "**not met**: 67% (rounds 60–70%)" in text  # nccl >= 70%
     assert "**met**: worst 6.2%" in text
