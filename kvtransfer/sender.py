@@ -54,7 +54,8 @@ class Outbound:
 
 class KVSender:
     """Prefill-side endpoint. Options: deadline_s (per transfer, from start), connect_timeout_s,
-    chunk_timeout_s, max_chunk_bytes, checksum, window (chunks in flight per link)."""
+    chunk_timeout_s, max_chunk_bytes, checksum, window (chunks in flight per link); grpc:
+    num_channels (connections per link), stream_idle_s (a Push stream closes after this long idle)."""
 
     def __init__(self, fingerprint: dict[str, str], secret: bytes | str, deadline_s: float = 60.0,
                  connect_timeout_s: float = 10.0, chunk_timeout_s: float = 30.0,
@@ -274,6 +275,8 @@ class KVSender:
             link = self._links.get(endpoint)
         if link is not None and not link.is_broken:
             return link
+        if link is not None:
+            link.close()  # its transport failed: free what it still holds (threads, sockets)
         link = transports.connect(endpoint, self.fingerprint, self.secret, self.connect_timeout_s,
                                   **self.link_options)
         with self._lock:

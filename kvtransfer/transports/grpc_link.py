@@ -117,74 +117,122 @@ class GrpcControl(Link):
         self.channel.close()
 
 
-class PushStream:
-    """One long-lived Push stream on one connection: Chunks go out in order and Acks come back in order.
+class _PushCall:
+    """One Push call: its messages in order, and the futures waiting for their Acks in the same order."""
 
-    grpcio's consumer thread takes the messages from a queue, copies each into
+    def __init__(self, owner: "PushStream"):
+        self.owner = owner
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: collections.deque[tuple[float, Future]] = collections.deque()
+        self.is_closing = False  # no new message joins it (idle, or the link closes)
+        self.responses = owner.method(self._requests(), metadata=owner.metadata)
+        self.reader = threading.Thread(target=self._read, name=f"{owner.name}-acks", daemon=True)
+        self.reader.start()
+
+    def _requests(self):
+        """What grpcio's sending thread iterates; ends (half-close) after idle_s without a message."""
+        while True:
+            try:
+                message = self.outbox.get(timeout=self.owner.idle_s)
+            except queue.Empty:
+                with self.owner.lock:
+                    if not self.outbox.empty():  # a message came in meanwhile: it goes on this call
+                        continue
+                    self.is_closing = True
+                return
+            if message is _END:
+                return
+            yield message
+
+    def _read(self) -> None:
+        error = "receiver ended the stream before acknowledging every chunk"
+        try:
+            for reply in self.responses:
+                with self.owner.lock:
+                    _, out = self.waiting.popleft()
+                out.set_result(Ack(reply.ok, reply.dropped, reply.error))
+        except grpc.RpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # an Ack nobody waited for: the receiver broke the protocol
+            error = f"{type(e).__name__}: {e}"
+        self.owner.ended(self, error)
+
+
+class PushStream:
+    """Chunks to one connection, in order, on Push streams opened on demand.
+
+    grpcio's sending thread takes the messages from a queue, copies each into
     gRPC and writes it; a reader thread resolves the oldest waiting future per
-    Ack. The stream ends on close(), on a transport error, or when the oldest
-    chunk was not acknowledged within ``chunk_timeout_s`` (a stuck receiver);
-    then every waiting future resolves with Ack(ok=False) and ``is_dead`` is set.
+    Ack. A stream half-closes after ``idle_s`` without a chunk, so an idle
+    sender holds none of the receiver's handler threads (each open stream
+    holds one), and the next chunk opens a fresh stream. A stream that ends
+    with chunks unanswered (a transport error, or the oldest chunk waiting
+    longer than ``chunk_timeout_s``: a stuck receiver) resolves them with
+    Ack(ok=False) and sets ``is_dead``: the link is replaced.
     """
 
-    def __init__(self, method, metadata, chunk_timeout_s: float, name: str):
-        self.chunk_timeout_s = chunk_timeout_s
+    def __init__(self, method, metadata, chunk_timeout_s: float, name: str, idle_s: float = 2.0):
+        self.method, self.metadata, self.name = method, metadata, name
+        self.chunk_timeout_s, self.idle_s = chunk_timeout_s, idle_s
         self.is_dead = False
-        self._lock = threading.Lock()
-        self._waiting: collections.deque[tuple[float, Future]] = collections.deque()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._responses = method(iter(self._outbox.get, _END), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name=f"{name}-acks", daemon=True)
-        self._reader.start()
+        self.lock = threading.Lock()
+        self._error = ""
+        self._current: _PushCall | None = None
+        self._calls: set[_PushCall] = set()  # open or still answering
+        self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
         self._watchdog.start()
 
     def send(self, message: bytes, out: Future) -> None:
-        with self._lock:
-            if self.is_dead:
-                error = self._error
-            else:
-                self._waiting.append((time.monotonic(), out))
-                self._outbox.put(message)  # under the lock: queue order == waiting order
+        with self.lock:
+            if not self.is_dead:
+                call = self._current
+                if call is None or call.is_closing:
+                    call = self._current = _PushCall(self)
+                    self._calls.add(call)
+                call.waiting.append((time.monotonic(), out))
+                call.outbox.put(message)  # under the lock: queue order == waiting order
                 return
+            error = self._error
         out.set_result(Ack(False, error=error))
 
-    def close(self) -> None:
-        self._outbox.put(_END)  # half-close: the receiver answers what it has, then the stream ends
-        if not self.is_dead:
-            self._reader.join(timeout=min(5.0, self.chunk_timeout_s))
-        self._end("link closed")
-
-    def _read(self) -> None:
-        try:
-            for reply in self._responses:
-                with self._lock:
-                    _, out = self._waiting.popleft()
-                out.set_result(Ack(reply.ok, reply.dropped, reply.error))
-            self._end("receiver ended the stream")
-        except grpc.RpcError as e:
-            self._end(f"{e.code().name}: {e.details()}")
-        except Exception as e:  # an Ack nobody waited for: the receiver broke the protocol
-            self._end(f"{type(e).__name__}: {e}")
-
-    def _watch(self) -> None:
-        while not self._wake.wait(min(1.0, self.chunk_timeout_s / 4)):
-            with self._lock:
-                oldest = self._waiting[0][0] if self._waiting else None
-            if oldest is not None and time.monotonic() - oldest > self.chunk_timeout_s:
-                self._end(f"DEADLINE_EXCEEDED: receiver did not acknowledge a chunk within {self.chunk_timeout_s}s")
-
-    def _end(self, error: str) -> None:
-        with self._lock:
-            if self.is_dead:
-                return
-            self.is_dead, self._error = True, error
-            waiting, self._waiting = list(self._waiting), collections.deque()
-        self._wake.set()
-        self._responses.cancel()
+    def ended(self, call: _PushCall, error: str) -> None:
+        """A call's responses ended; anything still waiting on it failed."""
+        with self.lock:
+            self._calls.discard(call)
+            call.is_closing = True
+            waiting, call.waiting = list(call.waiting), collections.deque()
+            if waiting and not self.is_dead:
+                self.is_dead, self._error = True, error
         for _, out in waiting:
             out.set_result(Ack(False, error=error))
+
+    def close(self) -> None:
+        """Let open streams finish what they carry (briefly), then end them."""
+        with self.lock:
+            calls, self._current = list(self._calls), None
+            for call in calls:
+                call.is_closing = True
+                call.outbox.put(_END)
+        for call in calls:
+            call.reader.join(timeout=min(5.0, self.chunk_timeout_s))
+        self._stop.set()
+        self._cancel(calls, "link closed")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.chunk_timeout_s / 4)):
+            now = time.monotonic()
+            with self.lock:
+                if self.is_dead and not self._calls:
+                    return
+                stuck = [c for c in self._calls if c.waiting and now - c.waiting[0][0] > self.chunk_timeout_s]
+            self._cancel(stuck, f"DEADLINE_EXCEEDED: receiver did not acknowledge a chunk within "
+                                f"{self.chunk_timeout_s}s")
+
+    def _cancel(self, calls: list[_PushCall], error: str) -> None:
+        for call in calls:
+            self.ended(call, error)  # before cancel: the reader's CANCELLED must not name the cause
+            call.responses.cancel()
 
 
 class GrpcLink(GrpcControl):
@@ -192,7 +240,7 @@ class GrpcLink(GrpcControl):
 
     transport = "grpc"
 
-    def __init__(self, *args, window: int = 16, num_channels: int = 2, **kwargs):
+    def __init__(self, *args, window: int = 16, num_channels: int = 2, stream_idle_s: float = 2.0, **kwargs):
         self._is_broken = False
         super().__init__(*args, **kwargs)
         address = self.endpoint.split("://", 1)[1]
@@ -200,17 +248,18 @@ class GrpcLink(GrpcControl):
             ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
         self._streams = [PushStream(c.stream_stream(_SERVICE + "Push", request_serializer=None,
                                                     response_deserializer=pb.Ack.FromString),
-                                    self.metadata, self.chunk_timeout_s, name=f"kvt-push{i}")
+                                    self.metadata, self.chunk_timeout_s, name=f"kvt-push{i}", idle_s=stream_idle_s)
                          for i, c in enumerate(self._data_channels)]
         self._next = itertools.count()
         self._window = threading.Semaphore(window)
 
     @classmethod
     def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 16,
-                num_channels: int = 2, **options):
+                num_channels: int = 2, stream_idle_s: float = 2.0, **options):
         channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
         heap.keep_large_buffers()
-        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels)
+        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels,
+                   stream_idle_s=stream_idle_s)
 
     @property
     def is_broken(self) -> bool:

@@ -147,6 +147,32 @@ def test_stuck_receiver_fails_the_chunk_within_its_timeout_and_the_link_is_repla
     assert pool.is_fully_free()
 
 
+def test_idle_push_streams_give_back_the_receivers_handler_threads(receiver):
+    """An open Push stream holds one of the receiver's handler threads; a sender's streams close when idle, so
+    a receiver with fewer threads than its senders have connections serves them all, one burst after another."""
+    rx, spec = receiver("grpc", max_workers=2)
+    kv, pool = make_source(spec, 4), BlockPool(NUM_BLOCKS)
+    senders = [KVSender(make_fingerprint(spec), SECRET, connect_timeout_s=5.0, chunk_timeout_s=5.0,
+                        num_channels=2, stream_idle_s=0.2) for _ in range(3)]
+    try:
+        for i, tx in enumerate(senders):
+            ticket = rx.reserve(f"r{i}", 40)
+            src = pool.allocate(len(ticket.block_ids))
+            tx.start(ticket, kv, src, 40)
+            for layer in range(spec.num_layers):
+                tx.push_layer(ticket.request_id, layer)
+            tx.commit(ticket.request_id, 3)
+            [r] = wait_results(tx, count=1, timeout_s=15)
+            assert r.status == "DONE", r.error
+            pool.free(src)
+            rx.pool.free(rx.release(wait_results(rx, count=1, timeout_s=5)[0].request_id))
+            time.sleep(0.6)  # its streams half-close after 0.2 s idle
+    finally:
+        for tx in senders:
+            tx.close()
+    assert pool.is_fully_free() and rx.pool.is_fully_free()
+
+
 @pytest.mark.parametrize("transport", ALL)
 def test_wrong_secret_is_refused(receiver, transport):
     rx, spec = receiver(transport)
