@@ -81,8 +81,9 @@ class StageMetrics:
     - ``queue_time_s``: arrival at the router until a replica started the
       prompt (admission queue plus the replica's waiting queue).
     - ``prefill_time_s``: first prompt chunk scheduled until the first token.
-    - ``kv_transfer_time_s``: first KV block sent until the decode replica had
-      every layer.
+    - ``kv_transfer_time_s``: end of the prompt's forward pass until the
+      transfer was DONE (what the transfer added after compute; with the
+      layer-wise overlap most of it is hidden inside the pass).
     - ``kv_transfer_bytes``: KV bytes moved for the request (retries included).
     - ``num_kv_transfer_failures``: transfers that ended FAILED, retried or not.
     """

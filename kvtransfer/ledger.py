@@ -33,6 +33,7 @@ class Inbound:
     error: str | None = None
     is_reported: bool = False
     is_freed: bool = False  # blocks returned to the pool (FAILED) or handed to the engine (DONE)
+    finished_at: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # All methods below expect self.lock held.
@@ -46,15 +47,18 @@ class Inbound:
 
     def fail(self, error: str) -> None:
         if not self.state.is_finished:
-            self.state = State.FAILED
             self.error = error
+            self._finish(State.FAILED)
+
+    def _finish(self, state: State) -> None:
+        self.state, self.finished_at = state, time.time()
 
     def record_chunk(self, layer: int, first_block: int, num_blocks: int, now: float, progress_timeout_s: float) -> None:
         self.coverage.add(layer, first_block, num_blocks)
         self.state = State.TRANSFERRING
         self.deadline = max(self.deadline, now + progress_timeout_s)
         if self.first_token is not None and self.coverage.is_complete:
-            self.state = State.DONE
+            self._finish(State.DONE)
 
     def commit(self, first_token: int) -> None:
         """DONE now if every layer landed, else as soon as the last chunk does.
@@ -65,12 +69,12 @@ class Inbound:
         """
         self.first_token = first_token
         if self.coverage.is_complete:
-            self.state = State.DONE
+            self._finish(State.DONE)
 
     def result(self) -> TransferResult:
         first_token = self.first_token if self.state == State.DONE else None
         return TransferResult(self.ticket.request_id, self.state.name, first_token, self.error,
-                              list(self.ticket.block_ids))
+                              list(self.ticket.block_ids), self.finished_at)
 
 
 class Ledger:

@@ -44,6 +44,7 @@ class Outbound:
     is_commit_acked: bool = False
     error: str | None = None
     is_reported: bool = False
+    finished_at: float | None = None
     layers_pushed: set[int] = field(default_factory=set)
     layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
 
@@ -141,7 +142,7 @@ class KVSender:
                     ob.is_reported = True
                     results.append(TransferResult(ob.ticket.request_id, ob.state.name, ob.first_token
                                                   if ob.state == State.DONE else None, ob.error,
-                                                  list(ob.src_block_ids)))
+                                                  list(ob.src_block_ids), ob.finished_at))
                     del self._sends[ob.ticket.request_id]
         return results
 
@@ -259,13 +260,13 @@ class KVSender:
     def _maybe_done(self, ob: Outbound) -> None:
         with self._lock:
             if not ob.state.is_finished and ob.is_commit_acked and ob.num_chunks_acked >= ob.num_chunks:
-                ob.state = State.DONE
+                ob.state, ob.finished_at = State.DONE, time.time()
 
     def _fail(self, ob: Outbound, error: str, notify: bool = True) -> None:
         with self._lock:
             if ob.state.is_finished:
                 return
-            ob.state = State.FAILED
+            ob.state, ob.finished_at = State.FAILED, time.time()
             ob.error = error
         if notify and not self._is_closed:
             self._events.put(("abort_remote", ob, error))

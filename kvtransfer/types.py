@@ -59,7 +59,8 @@ class TransferResult:
 
     On the receiver, FAILED means its blocks are already freed; DONE means they
     wait for release(). ``block_ids`` are the ticket's (receiver) or the source
-    blocks (sender), for bookkeeping only.
+    blocks (sender), for bookkeeping only. ``finished_at`` is the unix time the
+    transfer became DONE or FAILED on this side (poll() reports it later).
     """
 
     request_id: str
@@ -67,3 +68,4 @@ class TransferResult:
     first_token: int | None = None
     error: str | None = None
     block_ids: list[int] = field(default_factory=list)
+    finished_at: float | None = None

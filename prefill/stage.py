@@ -310,7 +310,9 @@ class PrefillStage(StageLoop):
             timings["queue_time_s"] = m.first_scheduled_time - m.arrival_time
             if job.compute_done is not None:
                 timings["prefill_time_s"] = job.compute_done - m.first_scheduled_time
-                timings["kv_transfer_time_s"] = now - job.compute_done  # what the transfer added after compute
+                # what the transfer added after compute, to when it ended (poll() may come a forward pass later)
+                ended = now - (time.time() - result.finished_at) if result.finished_at is not None else now
+                timings["kv_transfer_time_s"] = max(0.0, ended - job.compute_done)
         timings["kv_transfer_bytes"] = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block
         wall = m.wall_times()  # for a request timeline: queued here, prefill start and end
         timings["wall_times"] = {"prefill_queued": wall["arrival"]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -76,15 +77,20 @@ def test_local_bit_exact(dtype):
     for num_requests, tokens in rounds(rng):
         tickets = [rx.reserve(f"r{num_requests}-{i}", n) for i, n in enumerate(tokens)]
         src = {t.request_id: scattered(src_pool, len(t.block_ids), rng) for t in tickets}
+        started = time.time()
         for t, n in zip(tickets, tokens):
             tx.start(t, src_kv, src[t.request_id], n)
         hook = tx.hook(*(t.request_id for t in tickets))  # what the engine's forward pass calls
-        for layer in range(spec.num_layers):
+        for layer in range(spec.num_layers - 1):
             hook(layer)
+        before_last = time.time()
+        hook(spec.num_layers - 1)
         for i, t in enumerate(tickets):
             tx.commit(t.request_id, i)
         results = wait_results(tx, rx, count=2 * num_requests)
         assert [r.status for r in results] == ["DONE"] * 2 * num_requests, [r.error for r in results]
+        # both sides say when each became DONE: not before its last layer was pushed, not after poll()
+        assert all(before_last <= r.finished_at <= time.time() for r in results), (started, results)
         for t in tickets:
             assert_blocks_equal(dst_kv, t.block_ids, src_kv, src[t.request_id])
             dst_pool.free(rx.release(t.request_id))
