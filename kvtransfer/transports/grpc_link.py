@@ -145,17 +145,17 @@ class _PushCall:
             yield message
 
     def _read(self) -> None:
-        error = "receiver ended the stream before acknowledging every chunk"
+        error, broken = "receiver ended the stream before acknowledging every chunk", False
         try:
             for reply in self.responses:
                 with self.owner.lock:
                     _, out = self.waiting.popleft()
                 out.set_result(Ack(reply.ok, reply.dropped, reply.error))
-        except grpc.RpcError as e:
-            error = f"{e.code().name}: {e.details()}"
+        except grpc.RpcError as e:  # CANCELLED: by close() or the watchdog, which said why already
+            error, broken = f"{e.code().name}: {e.details()}", e.code() != grpc.StatusCode.CANCELLED
         except Exception as e:  # an Ack nobody waited for: the receiver broke the protocol
-            error = f"{type(e).__name__}: {e}"
-        self.owner.ended(self, error)
+            error, broken = f"{type(e).__name__}: {e}", True
+        self.owner.ended(self, error, broken)
 
 
 class PushStream:
@@ -196,13 +196,14 @@ class PushStream:
             error = self._error
         out.set_result(Ack(False, error=error))
 
-    def ended(self, call: _PushCall, error: str) -> None:
-        """A call's responses ended; anything still waiting on it failed."""
+    def ended(self, call: _PushCall, error: str, broken: bool = False) -> None:
+        """A call's responses ended; anything still waiting on it failed, and so did the link then, or when
+        ``broken`` (a transport error even with nothing waiting: the next transfer reconnects)."""
         with self.lock:
             self._calls.discard(call)
             call.is_closing = True
             waiting, call.waiting = list(call.waiting), collections.deque()
-            if waiting and not self.is_dead:
+            if (waiting or broken) and not self.is_dead:
                 self.is_dead, self._error = True, error
         for _, out in waiting:
             out.set_result(Ack(False, error=error))
