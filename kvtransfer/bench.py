@@ -32,6 +32,7 @@ SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dt
 FINGERPRINT = {"architecture": "llama", "num_layers": "30", "num_kv_heads": "3", "head_dim": "64",
                "block_size": "16", "dtype": "bfloat16", "tp_size": "1"}
 SECRET = "bench-secret"
+OVERLAP_TOKENS = 1024  # the prompt of the overlap runs (and of its target)
 
 
 def bytes_for(num_tokens: int) -> int:
@@ -180,7 +181,7 @@ class Peer:
         return ok and self.src_pool.is_fully_free()
 
 
-def default_compute(num_tokens: int = 1024):
+def default_compute(num_tokens: int = OVERLAP_TOKENS):
     """One SmolLM2-135M layer's matmuls on num_tokens tokens (q/k/v/o projections and the MLP)."""
     hidden, inter, kv = 576, 1536, 192
     x = torch.randn(num_tokens, hidden)
@@ -261,7 +262,7 @@ def section(args, rows, ratios, overlap, command: str) -> str:
         nbytes = bytes_for(tokens)
         lines.append(f"| {name} | {tokens} | {nbytes / 1e6:.1f} | {sec * 1e3:.1f} | {nbytes / sec / 1e9:.2f} "
                      f"| {100 * sock[tokens] / sec:.0f}% | {spread(ratios[name, tokens])} | {cold * 1e3:.1f} |")
-    lines += ["", "Layer-wise overlap, 1024-token prompt: each layer is pushed from the per-layer hook while the",
+    lines += ["", f"Layer-wise overlap, {OVERLAP_TOKENS}-token prompt: each layer is pushed from the per-layer hook while the",
               "next computes; 'left' is the time from the end of the last layer's compute to DONE.", "",
               "| transport | per-layer compute | prefill ms | left after prefill ms | left / prefill |",
               "|---|---|---:|---:|---:|"]
@@ -293,7 +294,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     transports = [t for t in args.transports.split(",") if t]
-    num_blocks = -(-max(sizes) // SPEC.block_size) + 8
+    num_blocks = -(-max(*sizes, OVERLAP_TOKENS) // SPEC.block_size) + 8
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     print(f"KV of SmolLM2-135M, bf16: {SPEC.bytes_per_block // SPEC.block_size} bytes per token; "
@@ -325,7 +326,7 @@ def main(argv=None) -> None:
             compute(layer)
         prefill_s = time.perf_counter() - t0
         for name in transports:
-            left = statistics.median(peers[name].transfer(1024, compute)[1] for _ in range(args.reps))
+            left = statistics.median(peers[name].transfer(OVERLAP_TOKENS, compute)[1] for _ in range(args.reps))
             overlap.append((name, label, prefill_s, left))
     for name, peer in peers.items():
         assert peer.close(), f"{name}: block pools not fully free after the benchmark"
