@@ -252,8 +252,8 @@ def section(args, rows, ratios, overlap, command: str) -> str:
         "the socket of the same round. The bound is a plain persistent loopback TCP socket moving the same",
         "bytes between two Python processes (`sendall` / `recv_into`, then a one-byte ack). Before the rounds",
         "of a size, one transfer of that size per transport is timed on its own ('first transfer'): the first",
-        "transfer larger than any before grows the buffers on both sides (page faults, heap growth), once",
-        "per process.", "",
+        "transfer larger than any before writes receiver blocks never written before, and pays their page",
+        "faults once (the KV cache is allocated untouched, so that only memory in use is backed).", "",
         "| transport | tokens | MB | latency ms | GB/s | % of socket | per-round spread | first transfer ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -305,8 +305,9 @@ def main(argv=None) -> None:
         peer.transfer(sizes[0])  # warm-up (connections, buffers)
     seconds, ratios, first = {}, {}, {}
     for tokens in sizes:
-        # The first transfer of a larger size than before grows the buffers on both sides (page faults,
-        # heap growth) once per process: reported on its own, not mixed into the steady-state rounds.
+        # The first transfer of a larger size than before writes blocks of the receiver's KV cache that were
+        # never written (the cache is allocated untouched, so only used memory is backed): it pays their
+        # page faults, once. Reported on its own, not mixed into the steady-state rounds.
         first.update(((name, tokens), peer.transfer(tokens)[0]) for name, peer in peers.items())
         runs = {name: [] for name in peers}
         for _ in range(args.reps):
