@@ -80,6 +80,9 @@ class StageSpec(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU replicas: no CUDA graphs for decode steps
+    # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
+    # fails at start rather than under load, and no request pays the first write's page faults
+    kv_cache_prefault: bool = True
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -118,6 +121,7 @@ class StageSpec(_Strict):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
+            kv_cache_prefault=self.kv_cache_prefault,
             seed=seed,
             **kwargs,
         )

@@ -143,6 +143,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never replay captured decode graphs (engine/cuda_graph.py)
+    kv_cache_prefault: bool = False  # CPU: write every page of the KV cache at start (kv_cache.allocate_kv_cache)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

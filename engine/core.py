@@ -54,7 +54,8 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
         graphs = config.device.startswith("cuda") and not config.enforce_eager
         # with CUDA graphs, one block past the pool's is where padded batch rows write
-        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device,
+                                           prefault=config.kv_cache_prefault)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(

@@ -63,15 +63,25 @@ class KVCacheSpec:
         return max(1, int(gigabytes * (1 << 30)) // self.bytes_per_block)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
+                      prefault: bool = False) -> list[torch.Tensor]:
     """Zeroed per-layer KV tensors in the layout documented above (on a CPU,
-    in huge pages where available: attention streams them like weights)."""
+    in huge pages where available: attention streams them like weights).
+
+    A CPU cache is fresh anonymous memory: only pages written are backed, and
+    the first write of each page faults (~1.5 ms per MB on a VM). ``prefault``
+    writes every page now, so that a cache the machine cannot hold fails here
+    rather than under load, and no request pays those faults.
+    """
     dt = torch_dtype(spec.dtype)
     if torch.device(device).type == "cpu":
         from engine.hugepages import zeros
 
         caches = zeros([(num_blocks, *spec.block_shape)] * spec.num_layers, dt)
         if caches is not None:
+            if prefault:
+                for layer in caches:
+                    layer.zero_()
             return caches
     return [torch.zeros((num_blocks, *spec.block_shape), dtype=dt, device=device)
             for _ in range(spec.num_layers)]

@@ -71,7 +71,7 @@ def test_split_gives_each_component_its_config():
         "dtype": "bfloat16",
         "prefill": {"replicas": 2, "resources": {"num_gpus": 1, "custom": {"prefill_node": 1}},
                     "num_kv_blocks": 100},
-        "decode": {"replicas": 3, "max_num_seqs": 8, "kv_cache_memory_gb": 2.5},
+        "decode": {"replicas": 3, "max_num_seqs": 8, "kv_cache_memory_gb": 2.5, "kv_cache_prefault": False},
         "router": {"policy": "prefix_aware"},
         "auth": {"api_keys": ["k1", "k2"]},
     })
@@ -82,6 +82,7 @@ def test_split_gives_each_component_its_config():
     assert pre.engine.device == "cuda" and dec.engine.device == "cpu"
     assert pre.engine.num_kv_blocks == 100 and dec.engine.kv_cache_memory_gb == 2.5
     assert pre.engine.dtype == "bfloat16"
+    assert pre.engine.kv_cache_prefault and not dec.engine.kv_cache_prefault  # served replicas: on by default
     assert cfg.router.policy == "prefix_aware"
     assert cfg.router.capacity(Stage.DECODE) == 8 and cfg.router.capacity(Stage.PREFILL) == 64
     assert cfg.frontend.api_keys == ("k1", "k2")

@@ -53,3 +53,28 @@ def test_zeros_are_zero_and_apart():
     assert a.shape == (300, 2, 16, 3, 64) and a.is_contiguous() and not a.any() and not b.any()
     a.fill_(1)
     assert not b.any()  # no overlap
+
+
+
+def _process_rss_mb() -> float:
+    """This process's resident memory: what is actually backed."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_kv_cache_is_backed_at_start_only_when_prefaulted():
+    """Fresh KV cache memory is backed page by page on first write; prefault=True (what served replicas
+    use) writes it all at allocation, so the memory is committed, and a cache too large fails, at start."""
+    from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    num_blocks = (64 << 20) // spec.bytes_per_block  # 64 MiB in all
+    before = _process_rss_mb()
+    lazy = allocate_kv_cache(spec, num_blocks)
+    assert _process_rss_mb() - before < 16  # nothing written yet: (almost) nothing backed
+    before = _process_rss_mb()
+    eager = allocate_kv_cache(spec, num_blocks, prefault=True)
+    assert _process_rss_mb() - before > 56
+    assert all(not layer.any() for layer in eager + lazy)  # zeros either way
