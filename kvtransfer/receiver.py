@@ -185,11 +185,16 @@ class ReceiverCore:
 
 
 class KVReceiver:
-    """Decode-side endpoint of the transfer service. See the module docstring for threading."""
+    """Decode-side endpoint of the transfer service. See the module docstring for threading.
+
+    max_workers: the service's handler threads (made as needed). A sending grpc link holds one per
+    open Push stream (its ``num_channels`` while it sends, none after ``stream_idle_s`` idle), and
+    every control call or nccl announce in flight holds one; calls beyond that wait for a thread.
+    """
 
     def __init__(self, kv_caches: list[torch.Tensor], pool: BlockPool, fingerprint: dict[str, str],
                  secret: bytes | str, transport: str = "grpc", host: str = "127.0.0.1", port: int = 0,
-                 progress_timeout_s: float = 10.0, max_workers: int = 32, **options):
+                 progress_timeout_s: float = 10.0, max_workers: int = 256, **options):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: must be one of {TRANSPORTS}, got {transport!r}")
         if not kv_caches:
