@@ -311,7 +311,7 @@ class PrefillStage(StageLoop):
             if job.compute_done is not None:
                 timings["prefill_time_s"] = job.compute_done - m.first_scheduled_time
                 # what the transfer added after compute, to when it ended (poll() may come a forward pass later)
-                ended = now - (time.time() - result.finished_at) if result.finished_at is not None else now
+                ended = now - (time.time() - result.finished_at)
                 timings["kv_transfer_time_s"] = max(0.0, ended - job.compute_done)
         timings["kv_transfer_bytes"] = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block
         wall = m.wall_times()  # for a request timeline: queued here, prefill start and end

@@ -93,8 +93,8 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """grpc transport: the bytes ride in Chunk.data, on a long-lived stream per
-        connection; the receiver answers every Chunk with one Ack, in order.
+        """grpc transport: the bytes ride in Chunk.data, on a stream per connection
+        (closed by the sender when idle); one Ack per Chunk, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,7 +55,6 @@ def test_zeros_are_zero_and_apart():
     assert not b.any()  # no overlap
 
 
-
 def _process_rss_mb() -> float:
     """This process's resident memory: what is actually backed."""
     import os
