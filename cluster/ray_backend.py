@@ -2,17 +2,18 @@
 
 Ray hosts the replicas, reports their load and notices when one dies; the
 requests themselves travel over each replica's request channel
-(`engine.channel`), a socket between the replica and this process, so
-neither starting a request nor any of its tokens waits on a Ray call.
+(`engine.serving.channel`), a socket between the replica and this process,
+so neither starting a request nor any of its tokens waits on a Ray call.
 
 A request's path (disaggregated): the router picks a (prefill, decode) pair;
-the prompt goes to the prefill replica and, in the same moment, a
-reservation to the decode replica, whose ticket (blocks, lease) is passed
-on to the prefill replica as soon as it comes; the prefill replica pushes
-the prompt's KV into those blocks. The first token goes to the client from
-the prefill replica as soon as it is sampled, without waiting for the KV
-transfer; the decode replica then streams the rest, one frame per step (its
-copy of the first token is dropped). Colocated: the one replica does it all.
+a `Prefill` goes to the prefill replica and, in the same moment, a `Reserve`
+to the decode replica, whose `TicketReady` (blocks, lease) is passed on to
+the prefill replica in an `Attach` as soon as it comes; the prefill replica
+pushes the prompt's KV into those blocks. The first token reaches the client
+from the prefill replica (`FirstToken`) as soon as it is sampled, without
+waiting for the KV transfer; the decode replica streams every later token
+(`Deltas`). Each token comes once, from one place, and is forwarded as it
+came. Colocated: the one replica does it all, from a `Submit`.
 
 Failures: a prefill that fails (or whose replica goes) fails the decode side
 at once, without waiting for the lease; a replica whose channel breaks or
@@ -23,7 +24,6 @@ holds.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -31,9 +31,11 @@ from collections.abc import AsyncIterator
 
 from cluster.router import ReplicaLoad, Router
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, ProfileTrace,
-                           RequestTimeline, Stage, StageMetrics, TokenLogprob)
-from engine.channel import ChannelError, ChannelServer, FirstToken
+                           RequestTimeline, Stage, StageMetrics, StageTimings)
 from engine.sampling import SamplingParams as EngineSamplingParams
+from engine.serving.channel import ChannelError, ChannelServer
+from engine.serving.frames import (Abort, Attach, Fail, FirstToken, Lost, Prefill, PrefillDone, Refused, Reserve,
+                                   Submit, TicketReady)
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +43,9 @@ log = logging.getLogger(__name__)
 def engine_params(req: GenerateRequest) -> EngineSamplingParams:
     s = req.sampling
     return EngineSamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_k=max(s.top_k, 0), top_p=s.top_p,
+        max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logprobs=s.logprobs)
-
-
-def _logprobs(infos, token_ids) -> list[TokenLogprob] | None:
-    if not infos:
-        return None
-    return [TokenLogprob(t, i["token_logprob"], tuple((a, b) for a, b in i["top"]))
-            for t, i in zip(token_ids, infos)]
-
-
-def _skip_first_token(d, first: FirstToken):
-    """The decode replica's first delta with tokens, without the first token,
-    which the client already has from the prefill replica; None if nothing
-    is left of it. Its text is ``first.text``, plus whatever the detokenizer
-    held back when the token also ends the request."""
-    if d.token_ids[0] != first.token_id:  # cannot happen: both sides have the token from the commit
-        log.error("request %s: decode's first token %d is not prefill's %d", d.request_id, d.token_ids[0],
-                  first.token_id)
-    text = d.text[len(first.text):] if d.text.startswith(first.text) else d.text
-    rest = dataclasses.replace(d, token_ids=d.token_ids[1:], text=text,
-                               logprobs=d.logprobs[1:] if d.logprobs else None)
-    return rest if rest.token_ids or rest.text or rest.finished else None
 
 
 class RayBackend:
@@ -133,12 +114,12 @@ class RayBackend:
             hashes = {i: h for i, h in zip(want, got) if not isinstance(h, BaseException)}
         for rid, res in zip(ids, results):
             stage = self.replicas[rid][0]
-            if isinstance(res, BaseException) or not res.get("is_alive", True):
-                self._mark_dead(rid, res)
+            if isinstance(res, BaseException) or not res.is_alive:
+                self._mark_dead(rid, res if isinstance(res, BaseException) else "its stage loop died")
                 continue
             self.router.report_load(ReplicaLoad(
-                rid, stage, res["num_queued_prefill_tokens"], res["num_running_seqs"], res["num_free_blocks"],
-                res["num_total_blocks"], frozenset(hashes.get(rid, ())), time.monotonic()))
+                rid, stage, res.num_queued_prefill_tokens, res.num_running_seqs, res.num_free_blocks,
+                res.num_total_blocks, frozenset(hashes.get(rid, ())), time.monotonic()))
             if not self.channels.is_connected(rid) and rid not in self._reconnecting:
                 self._reconnecting.add(rid)
                 asyncio.create_task(self._reconnect(rid))
@@ -178,10 +159,10 @@ class RayBackend:
                 raise NoReplicaError(str(e)) from e
             try:
                 if prefill is None:
-                    self.channels.send(decode, ("submit", rid, ids, params))
+                    self.channels.send(decode, Submit(rid, ids, params))
                 else:  # the prompt starts computing while the decode replica reserves its blocks
-                    self.channels.send(prefill, ("prefill", rid, ids, params))
-                    self.channels.send(decode, ("reserve", rid, ids, params))
+                    self.channels.send(prefill, Prefill(rid, ids, params))
+                    self.channels.send(decode, Reserve(rid, ids, params))
             except ChannelError as e:
                 raise NoReplicaError(str(e)) from e
             async for delta in self._deltas(request, inbox, placement, routed_at):
@@ -197,111 +178,93 @@ class RayBackend:
 
     async def _deltas(self, request: GenerateRequest, inbox: asyncio.Queue, placement,
                       routed_at: float) -> AsyncIterator[GenerateDelta]:
-        """The request's deltas from what its replicas send, up to the one that finishes it."""
+        """The request's deltas as its replicas send them, up to the one that finishes it."""
         rid = request.request_id
         decode, prefill = placement.decode_replica, placement.prefill_replica
-        first: FirstToken | None = None  # disaggregated: the prefill replica's first token, until it is skipped
-        prefill_result = None
+        done: PrefillDone | None = None  # the prefill replica's word that the request is over there
         cached_tokens = 0
-        # disaggregated, decode deltas wait for the prefill replica's first
-        # token (it has the logprobs) unless the prefill failed or went
-        streaming = prefill is None
-        held = []
+        # The first token and the decode replica's later ones ride different
+        # sockets: a decode delta that overtakes the first token waits for it.
+        has_first = prefill is None
+        overtaking: list[GenerateDelta] = []
         while True:
             try:
-                kind, payload = await asyncio.wait_for(inbox.get(), self.stall_timeout_s)
+                event = await asyncio.wait_for(inbox.get(), self.stall_timeout_s)
             except asyncio.TimeoutError:
                 yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
                                     error=f"no word from the replicas for {self.stall_timeout_s:.0f}s")
                 return
-            if kind == "delta":
-                held.append(payload)
-            elif kind == "ticket":
-                self._send(prefill, ("attach", rid, payload))
-            elif kind == "first":
-                first = payload
-                cached_tokens = first.num_cached_tokens
-                streaming = True
-                yield GenerateDelta(rid, [first.token_id], first.text,
-                                    logprobs=_logprobs(first.logprobs and [first.logprobs], [first.token_id]))
-            elif kind == "result":
-                prefill_result = payload
-                if payload.status != "DONE":
-                    streaming = True
-                    self._send(decode, ("fail", rid, f"prefill failed: {payload.error}"))
-            elif kind == "error":  # a replica refused a command of this request
-                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error=payload)
+            if isinstance(event, GenerateDelta):
+                if not has_first and event.token_ids:
+                    overtaking.append(event)
+                    continue
+                deltas = [event]
+            elif isinstance(event, FirstToken):
+                cached_tokens = event.delta.num_cached_tokens
+                has_first = True
+                deltas, overtaking = [event.delta] + overtaking, []
+            elif isinstance(event, TicketReady):
+                self._send(prefill, Attach(rid, event.ticket))
+                continue
+            elif isinstance(event, PrefillDone):
+                done = event
+                if not done.ok:
+                    self._send(decode, Fail(rid, f"prefill failed: {done.error}"))
+                continue
+            elif isinstance(event, Refused):  # a replica could not take a command of this request
+                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error=event.error)
                 return
-            elif kind == "lost":
-                if payload == decode:
+            elif isinstance(event, Lost):
+                if event.replica_id == decode:
                     yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
                                         error=f"decode replica {decode} died mid-stream")
                     return
-                if not streaming:  # the prefill replica went before the first token: the KV will not come
-                    streaming = True
-                    self._send(decode, ("fail", rid, f"prefill replica {prefill} died"))
-            if not held or not (streaming or (held[-1].finished and not held[-1].token_ids)):
-                continue  # (an error or abort from the decode side goes out at once)
-            for d in held:
-                if first is not None and d.token_ids:  # the decode replica's copy of the first token
-                    d, first = _skip_first_token(d, first), None
-                    if d is None:
-                        continue
-                delta = self._to_delta(d)
-                if delta.finish_reason is not None:
-                    if prefill is not None:
-                        # The prefill replica reports its result between forward
-                        # passes, so under load it can come a whole pass (~1 s for
-                        # a long prompt) after the decode side is done: the last
-                        # token does not wait for it unless a timeline was asked
-                        # for; the stage metrics of this request are then not
-                        # recorded.
-                        if prefill_result is None:
-                            prefill_result = _queued_result(inbox)
-                        if prefill_result is None and request.timeline:
-                            prefill_result = await self._prefill_result(inbox)
-                        if prefill_result is not None:
-                            delta.stage_metrics = _stage_metrics(prefill_result)
-                        delta.num_cached_tokens = cached_tokens  # the prefix cache that counts is prefill's
-                    if request.timeline:
-                        delta.timeline = _timeline(request, routed_at, d.metrics, prefill_result,
-                                                   colocated=prefill is None)
+                if not has_first:  # the prefill replica went before the first token: the KV will not come
+                    overtaking.clear()
+                    self._send(decode, Fail(rid, f"prefill replica {prefill} died"))
+                continue
+            else:
+                log.error("request %s: an event of unknown type %s", rid, type(event).__name__)
+                continue
+            for delta in deltas:
+                if delta.is_finished:
+                    await self._finish(request, delta, inbox, done, cached_tokens, routed_at, prefill is None)
                     yield delta
                     return
                 yield delta
-            held.clear()
 
-    async def _prefill_result(self, inbox: asyncio.Queue, timeout_s: float = 1.0):
-        """The prefill replica's result, if it comes within ``timeout_s`` (it is only for the metrics)."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                kind, payload = await asyncio.wait_for(inbox.get(), left)
-            except asyncio.TimeoutError:
-                return None
-            if kind == "result":
-                return payload
-        return None
+    async def _finish(self, request: GenerateRequest, delta: GenerateDelta, inbox: asyncio.Queue,
+                      done: PrefillDone | None, cached_tokens: int, routed_at: float, colocated: bool) -> None:
+        """What only the backend knows goes on the last delta: the prefill
+        replica's metrics and cached tokens, and the timeline if asked for."""
+        if not colocated:
+            # The prefill replica reports PrefillDone between forward passes,
+            # so under load it can come a whole pass (~1 s for a long prompt)
+            # after the decode side is done: the last token does not wait for
+            # it unless a timeline was asked for; the stage metrics of this
+            # request are then not recorded.
+            done = done or _queued_done(inbox)
+            if done is None and request.timeline:
+                done = await _wait_done(inbox)
+            if done is not None:
+                delta.stage_metrics = _stage_metrics(done)
+            delta.num_cached_tokens = cached_tokens  # the prefix cache that counts is prefill's
+        if request.timeline:
+            delta.timeline = _timeline(request, routed_at, delta.timings, done.timings if done else None,
+                                       colocated)
 
-    def _send(self, replica: str | None, msg: tuple) -> None:
-        """A command that may find its replica gone: then the request hears "lost" instead."""
+    def _send(self, replica: str | None, frame) -> None:
+        """A command that may find its replica gone: then the request hears `Lost` instead."""
         if replica is None:
             return
         try:
-            self.channels.send(replica, msg)
+            self.channels.send(replica, frame)
         except ChannelError:
             pass
 
-    @staticmethod
-    def _to_delta(d) -> GenerateDelta:
-        finish = FinishReason(d.finish_reason) if d.finish_reason else None
-        logprobs = _logprobs(d.logprobs, d.token_ids)
-        return GenerateDelta(d.request_id, list(d.token_ids), d.text, finish, logprobs,
-                             d.num_cached_tokens, d.error)
-
     def _abort_on(self, rid: str, placement) -> None:
         for replica in (placement.decode_replica, placement.prefill_replica):
-            self._send(replica, ("abort", rid))
+            self._send(replica, Abort(rid))
 
     async def profile(self, seconds: float, out_dir: str, with_stack: bool = False) -> list[ProfileTrace]:
         """Record a profiler window of ``seconds`` on every live replica; each
@@ -330,39 +293,48 @@ class RayBackend:
 
     async def abort(self, request_id: str) -> None:
         for replica in self.replicas:
-            self._send(replica, ("abort", request_id))
+            self._send(replica, Abort(request_id))
 
     async def status(self) -> ClusterStatus:
         return ClusterStatus(self.model_name, self.mode, self.router.replica_statuses(), self.router.num_waiting)
 
 
-def _queued_result(inbox: asyncio.Queue):
-    """The prefill replica's result if it is already in the inbox (other messages there are spent)."""
+def _queued_done(inbox: asyncio.Queue) -> PrefillDone | None:
+    """The prefill replica's PrefillDone if it is already in the inbox (other events there are spent)."""
     while not inbox.empty():
-        kind, payload = inbox.get_nowait()
-        if kind == "result":
-            return payload
+        event = inbox.get_nowait()
+        if isinstance(event, PrefillDone):
+            return event
     return None
 
 
-def _stage_metrics(result) -> StageMetrics:
-    t = result.timings
-    return StageMetrics(t.get("queue_time_s"), t.get("prefill_time_s"), t.get("kv_transfer_time_s"),
-                        int(t.get("kv_transfer_bytes", 0)), 0 if result.status == "DONE" else 1)
+async def _wait_done(inbox: asyncio.Queue, timeout_s: float = 1.0) -> PrefillDone | None:
+    """The prefill replica's PrefillDone, if it comes within ``timeout_s`` (it is only for the metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            event = await asyncio.wait_for(inbox.get(), left)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(event, PrefillDone):
+            return event
+    return None
 
 
-def _timeline(request: GenerateRequest, routed_at: float, decode_metrics: dict, prefill_result,
-              colocated: bool) -> RequestTimeline:
-    """The request's phases from the wall-clock stamps of the frontend, the
-    prefill result and the decode replica's final metrics."""
+def _stage_metrics(done: PrefillDone) -> StageMetrics:
+    t = done.timings
+    return StageMetrics(t.queue_time_s, t.prefill_time_s, t.kv_transfer_time_s, t.kv_transfer_bytes,
+                        0 if done.ok else 1)
+
+
+def _timeline(request: GenerateRequest, routed_at: float, decode: StageTimings | None,
+              prefill: StageTimings | None, colocated: bool) -> RequestTimeline:
+    """The request's phases from the wall-clock stamps of the frontend and
+    of the replicas' `StageTimings` (a colocated replica's has them all)."""
     t0 = request.arrival_wall_time
-    dw = (decode_metrics or {}).get("wall_times", {})
-    if colocated:
-        stamps = {"prefill_queued_s": dw.get("arrival"), "prefill_start_s": dw.get("first_scheduled"),
-                  "prefill_end_s": dw.get("first_token")}
-    else:
-        pw = prefill_result.timings.get("wall_times", {}) if prefill_result is not None else {}
-        stamps = {"prefill_queued_s": pw.get("prefill_queued"), "prefill_start_s": pw.get("prefill_start"),
-                  "prefill_end_s": pw.get("prefill_end"), "kv_transfer_done_s": dw.get("kv_ready")}
-    stamps.update(routed_s=routed_at, first_decode_step_s=dw.get("first_decode"), finish_s=time.time())
+    dt = decode or StageTimings()
+    pt = dt if colocated else (prefill or StageTimings())
+    stamps = {"routed_s": routed_at, "prefill_queued_s": pt.queued, "prefill_start_s": pt.first_scheduled,
+              "prefill_end_s": pt.first_token, "kv_transfer_done_s": None if colocated else dt.kv_ready,
+              "first_decode_step_s": dt.first_decode, "finish_s": time.time()}
     return RequestTimeline(**{k: v - t0 for k, v in stamps.items() if v is not None})

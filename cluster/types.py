@@ -1,7 +1,9 @@
 """The request and response types that cross the cluster's seams.
 
 One `GenerateRequest` flows from a frontend through the router to the stage
-replicas; a backend answers with a stream of `GenerateDelta`. These are plain
+replicas; a backend answers with a stream of `GenerateDelta`, the one delta
+type, which the replicas produce (it and the records it carries are defined
+in `engine.serving.types` and re-exported here). These are plain
 dataclasses: protobuf and JSON stop at the frontends.
 """
 from __future__ import annotations
@@ -10,6 +12,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.serving.types import (FinishReason, GenerateDelta, RequestTimeline, StageMetrics, StageTimings,
+                                  TokenLogprob)
+
+__all__ = ["Stage", "FinishReason", "SamplingParams", "GenerateRequest", "TokenLogprob", "StageMetrics",
+           "StageTimings", "RequestTimeline", "ProfileTrace", "GenerateDelta", "ReplicaStatus", "ClusterStatus",
+           "OverloadedError", "NoReplicaError", "InvalidRequestError"]
+
 
 class Stage(str, enum.Enum):
     PREFILL = "prefill"
@@ -17,18 +26,12 @@ class Stage(str, enum.Enum):
     COLOCATED = "colocated"  # one replica runs both phases
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop string or a stop token
-    LENGTH = "length"  # max_tokens or the context length reached
-    ABORT = "abort"  # aborted by the client or the operator
-    ERROR = "error"  # failed inside the cluster; the delta's `error` says why
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. The frontend validates these (`cluster.validation`).
 
-    ``top_k`` of 0 or -1 and ``min_p`` of 0 disable those filters; a
+    ``top_k`` of -1 and ``min_p`` of 0 disable those filters (the engine's
+    convention; the frontends read a client's top_k of 0 as -1); a
     ``temperature`` of 0 means greedy. ``logprobs`` is the number of top
     alternatives to return per generated token (None: no logprobs at all;
     0: only the sampled token's logprob).
@@ -63,92 +66,12 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-
-
-@dataclass(frozen=True)
-class StageMetrics:
-    """Stage-side timings of one request, carried on its last `GenerateDelta`.
-
-    The backend fills what it measured and leaves the rest None (a colocated
-    replica has no transfer; a backend that measures nothing sends no
-    `StageMetrics` at all). `cluster.metrics` turns them into histograms and
-    counters.
-
-    - ``queue_time_s``: arrival at the router until a replica started the
-      prompt (admission queue plus the replica's waiting queue).
-    - ``prefill_time_s``: first prompt chunk scheduled until the first token.
-    - ``kv_transfer_time_s``: end of the prompt's forward pass until the
-      transfer was DONE (what the transfer added after compute; with the
-      layer-wise overlap most of it is hidden inside the pass).
-    - ``kv_transfer_bytes``: KV bytes moved for the request (retries included).
-    - ``num_kv_transfer_failures``: transfers that ended FAILED, retried or not.
-    """
-
-    queue_time_s: float | None = None
-    prefill_time_s: float | None = None
-    kv_transfer_time_s: float | None = None
-    kv_transfer_bytes: int = 0
-    num_kv_transfer_failures: int = 0
-
-
-@dataclass(frozen=True)
-class RequestTimeline:
-    """When a request passed each phase, in seconds after it arrived at the
-    frontend; None where the phase did not happen here or was not measured.
-
-    The stamps are ``time.time()`` taken in each process (frontend, prefill
-    and decode replicas), so they compare across processes on one host;
-    across hosts they are off by the difference of the hosts' clocks.
-    """
-
-    routed_s: float | None = None  # the router placed it
-    prefill_queued_s: float | None = None  # it entered the prefill (or colocated) replica's queue
-    prefill_start_s: float | None = None  # its first prompt chunk was scheduled
-    prefill_end_s: float | None = None  # prompt computed, first token sampled
-    kv_transfer_done_s: float | None = None  # the decode replica had every layer (disaggregated)
-    first_decode_step_s: float | None = None  # the first decode step after the first token
-    finish_s: float | None = None  # the last delta reached the backend
-
-    PHASES = ("routed_s", "prefill_queued_s", "prefill_start_s", "prefill_end_s", "kv_transfer_done_s",
-              "first_decode_step_s", "finish_s")
-
-    def phases(self) -> dict[str, float]:
-        """The phases that are set, in order."""
-        return {k: getattr(self, k) for k in self.PHASES if getattr(self, k) is not None}
-
-
-@dataclass(frozen=True)
 class ProfileTrace:
     """A Chrome trace one replica wrote for a profile window, on its own host."""
 
     replica_id: str
     host: str
     path: str
-
-
-@dataclass
-class GenerateDelta:
-    """What one request produced since its previous delta.
-
-    ``text`` is the detokenized text of ``token_ids`` (the backend detokenizes
-    incrementally and applies stop strings, so ``text`` may hold back a few
-    characters until they are known not to start a stop string). The last
-    delta of a stream, and only it, has ``finish_reason`` set.
-    """
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids
-    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (final delta)
-    error: str | None = None  # set with FinishReason.ERROR
-    stage_metrics: StageMetrics | None = None  # optional, on the last delta only
-    timeline: RequestTimeline | None = None  # on the last delta, when the request asked for it
 
 
 @dataclass(frozen=True)

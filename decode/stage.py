@@ -1,33 +1,36 @@
 """The decode stage: reserves blocks, receives KV, generates.
 
-Life-cycle of a request in a decode replica:
+Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
 
-1. reserve(): blocks for the prompt are taken from the pool and registered
+1. `Reserve`: blocks for the prompt are taken from the pool and registered
    with the KV receiver; the ticket (endpoint, block ids, lease) goes back
-   to the caller, which hands it to a prefill replica.        [transferring]
-2. Each loop round polls the receiver. DONE: the sequence joins the running
-   batch with its first token (sampled by prefill) and that token is
-   streamed. FAILED (peer died, lease expired, aborted): the blocks are
-   already freed and the request ends with an error.            [running]
-3. Each step appends a token to every running sequence; deltas go to the
-   request's stream. Under block pressure the engine preempts the newest
-   sequence and re-prefills it here later: never dropped.
-4. Finish, abort or failure: the engine frees the blocks; the stream closes.
+   to the frontend in a `TicketReady`, which passes it on to the prefill
+   replica.                                                [transferring]
+2. Each loop round polls the receiver. DONE: the sequence is admitted with
+   its first token, which the prefill replica sampled and already sent to
+   the client (`EngineCore.admit_prefilled`; the detokenizer is primed
+   with it), so this replica streams from the second token on. FAILED (peer
+   died, lease expired, aborted): the blocks are already freed and the
+   request ends with an error.                                  [running]
+3. Each step appends a token to every running sequence; one `Deltas` frame
+   per step carries them. Under block pressure the engine preempts the
+   newest sequence and re-prefills it here later: never dropped.
+4. Finish, abort or failure: the engine frees the blocks; the request's
+   last delta has its finish reason.
 
-submit() takes a whole request and prefills it here: that is the colocated
+`Submit` takes a whole request and prefills it here: that is the colocated
 mode (and conditional disaggregation for short prompts).
 """
 from __future__ import annotations
 
-import torch
-
 from engine.config import EngineConfig
+from engine.core import StepOutput
 from engine.kv_cache import model_fingerprint
 from engine.profiling import RECEIVER_POLL, phase
-from engine.sampling import SamplingParams
-from engine.core import StepOutput
 from engine.sequence import Sequence
-from engine.stage_loop import StageLoop, load_engine
+from engine.serving.frames import Reserve, Submit, TicketReady
+from engine.serving.stage_loop import StageLoop, load_engine
+from engine.serving.types import LoadReport
 
 
 class DecodeStage(StageLoop):
@@ -54,73 +57,35 @@ class DecodeStage(StageLoop):
     def endpoint(self) -> str | None:
         return self.receiver.endpoint if self.receiver else None
 
-    # ---- API (any thread) --------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        """Reserve blocks for a prompt whose KV a prefill replica will push; returns the Ticket."""
-        if self.receiver is None:
-            raise RuntimeError(f"{self.replica_id} is colocated: it takes submit(), not reserve()")
-        self.core.check_prompt(prompt_token_ids, params.max_tokens)
-        self.open_stream(request_id)
-        try:
-            return self.call(self._reserve, request_id, prompt_token_ids, params)
-        except BaseException:
-            self.abort(request_id)
-            raise
+    # ---- frames (loop thread) ----------------------------------------------
+    def _handlers(self):
+        return {**super()._handlers(), Submit: self._on_submit, Reserve: self._on_reserve}
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Take a whole request (prefill here too)."""
-        self.core.check_prompt(prompt_token_ids, params.max_tokens)
-        self.open_stream(request_id)
-        try:
-            self.call(self._submit, request_id, prompt_token_ids, params)
-        except BaseException:
-            self.abort(request_id)
-            raise
-
-    def renew(self, request_id: str, lease_s: float) -> None:
-        self.post(self._renew, request_id, lease_s)
-
-    # ---- loop thread -------------------------------------------------------
-    def _reserve(self, request_id, prompt_token_ids, params):
-        ticket = self.receiver.reserve(request_id, len(prompt_token_ids), self.lease_s)
-        self._incoming[request_id] = Sequence(request_id, list(prompt_token_ids), params)
-        return ticket
-
-    def _submit(self, request_id, prompt_token_ids, params):
-        seq = Sequence(request_id, list(prompt_token_ids), params)
-        self.core.add(seq)
-        self.outputs.add(seq)
-
-    def _channel_ops(self):
-        return dict(super()._channel_ops(), submit=self._ch_submit, reserve=self._ch_reserve)
-
-    def _ch_submit(self, ch, request_id, prompt_token_ids, params):
-        if not self._route(ch, request_id):
+    def _on_submit(self, ch, frame: Submit) -> None:
+        if not self._route(ch, frame.request_id):
             return
         try:
-            self.core.check_prompt(prompt_token_ids, params.max_tokens)
-            self._submit(request_id, prompt_token_ids, params)
+            seq = Sequence(frame.request_id, list(frame.prompt_token_ids), frame.params)
+            self.core.add(seq)
         except Exception as e:
-            self._release(request_id)
-            self._refuse(ch, request_id, e)
+            self._refuse(ch, frame.request_id, e)
+            return
+        self.outputs.add(seq)
 
-    def _ch_reserve(self, ch, request_id, prompt_token_ids, params):
-        if not self._route(ch, request_id):
+    def _on_reserve(self, ch, frame: Reserve) -> None:
+        rid = frame.request_id
+        if not self._route(ch, rid):
             return
         try:
             if self.receiver is None:
-                raise RuntimeError(f"{self.replica_id} is colocated: it takes submit, not reserve")
-            self.core.check_prompt(prompt_token_ids, params.max_tokens)
-            ticket = self._reserve(request_id, prompt_token_ids, params)
+                raise RuntimeError(f"{self.replica_id} is colocated: it takes Submit, not Reserve")
+            self.core.check_prompt(frame.prompt_token_ids, frame.params.max_tokens)
+            ticket = self.receiver.reserve(rid, len(frame.prompt_token_ids), self.lease_s)
         except Exception as e:
-            self._release(request_id)
-            self._refuse(ch, request_id, e)
+            self._refuse(ch, rid, e)
             return
-        ch.send(("ticket", request_id, ticket))
-
-    def _renew(self, request_id, lease_s):
-        if request_id in self._incoming:
-            self.receiver.renew(request_id, lease_s)
+        self._incoming[rid] = Sequence(rid, list(frame.prompt_token_ids), frame.params)
+        ch.send(TicketReady(rid, ticket))
 
     def _release(self, request_id: str) -> None:
         if self._incoming.pop(request_id, None) is not None:
@@ -135,7 +100,7 @@ class DecodeStage(StageLoop):
                 seq = self._incoming.pop(result.request_id, None)
                 if seq is None:
                     if result.status == "DONE":  # aborted as its last chunk landed: the blocks are ours to free
-                        self.core.pool.free(self.receiver.release(result.request_id))
+                        self.core.free_blocks(self.receiver.release(result.request_id))
                     continue
                 if result.status == "DONE":
                     self._admit(seq, self.receiver.release(result.request_id), result.first_token)
@@ -147,18 +112,14 @@ class DecodeStage(StageLoop):
         return True
 
     def _admit(self, seq: Sequence, block_ids: list[int], first_token: int) -> None:
-        seq.block_ids = block_ids
-        seq.output_token_ids.append(first_token)
-        if seq.generator is not None:
-            # the prefill replica drew once from this seed; draw once too so
-            # the rest of the stream matches a colocated run
-            torch.empty(self.core.model_config.vocab_size).exponential_(generator=seq.generator)
-        self.core.add_prefilled(seq)
-        self.outputs.add(seq)
-        stop = self.core.scheduler.check_stop(seq, first_token)
-        if stop is not None:
-            self.core.finish(seq, stop)
-        self.emit_outputs([StepOutput(seq, [first_token], seq.is_finished)])
+        """The prefilled sequence joins the running batch; its first token is
+        the client's already, so nothing is emitted for it unless it also
+        ended the request (then the last delta: the finish reason, and any
+        text the detokenizer held back)."""
+        finished = self.core.admit_prefilled(seq, block_ids, first_token)
+        self.outputs.add(seq, [first_token])
+        if finished or self.outputs.is_stopped(seq.request_id):
+            self.emit_outputs([StepOutput(seq, [])])
 
     def _has_pending(self) -> bool:
         return bool(self._incoming)
@@ -167,10 +128,5 @@ class DecodeStage(StageLoop):
         if self.receiver is not None:
             self.receiver.close()
 
-    def close(self) -> None:
-        self.stop()
-
-    def _snapshot_load(self) -> dict:
-        load = super()._snapshot_load()
-        load["num_incoming"] = len(self._incoming)
-        return load
+    def _snapshot_load(self) -> LoadReport:
+        return self.core.load(self.replica_id, num_incoming=len(self._incoming))

@@ -17,6 +17,7 @@ from engine.profiling import SCHEDULE, UPDATE, phase
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.serving.types import LoadReport
 
 
 def pick_dtype(name: str, device: str) -> str:
@@ -34,7 +35,6 @@ def pick_dtype(name: str, device: str) -> str:
 class StepOutput:
     seq: Sequence
     new_token_ids: list[int]
-    finished: bool
 
 
 class EngineCore:
@@ -96,9 +96,14 @@ class EngineCore:
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence) -> None:
-        """Admit a sequence whose prompt KV is already in ``seq.block_ids`` and
-        whose first token is in ``seq.output_token_ids`` (decode stage)."""
+    def admit_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
+        """Admit a sequence whose prompt KV another replica computed into
+        ``block_ids`` (taken from this pool), with the first token it sampled
+        there, already sent to the client: the sequence runs from its second
+        token on. Returns whether the first token already ended it (stop
+        token, EOS, max_tokens); then its blocks are freed and it never runs."""
+        seq.block_ids = list(block_ids)
+        seq.output_token_ids.append(first_token)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.metrics.first_token_time = seq.metrics.kv_ready_time = time.monotonic()
         if not seq.eos_token_ids:
@@ -106,6 +111,19 @@ class EngineCore:
         self._seqs[seq.request_id] = seq
         self.kv.cache_full_blocks(seq)
         self.scheduler.add_running(seq)
+        stop = self.scheduler.check_stop(seq, first_token)
+        if stop is not None:
+            self.finish(seq, stop)
+        return seq.is_finished
+
+    def free_prefilled(self, seq: Sequence) -> None:
+        """Free a prefill-only sequence's blocks once its KV has been sent
+        (the full ones stay in the prefix cache)."""
+        self.kv.free(seq)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks taken from this pool outside a sequence (a reservation)."""
+        self.pool.free(block_ids)
 
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
               error: str | None = None) -> Sequence | None:
@@ -124,15 +142,18 @@ class EngineCore:
     def get(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)
 
-    def load(self) -> dict:
+    def is_idle(self) -> bool:
+        """No sequence left and every block free: what a replica is after its requests ended."""
+        return self.pool.is_fully_free() and not self.has_unfinished()
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        return frozenset(self.pool.cached_hashes())
+
+    def load(self, replica_id: str, is_alive: bool = True, num_sending: int = 0, num_incoming: int = 0) -> LoadReport:
         """What a replica reports to the router."""
-        return {
-            "num_queued_prefill_tokens": self.scheduler.num_queued_prefill_tokens(),
-            "num_running_seqs": len(self.scheduler.running),
-            "num_waiting_seqs": len(self.scheduler.waiting),
-            "num_free_blocks": self.pool.num_free_blocks,
-            "num_total_blocks": self.pool.num_blocks,
-        }
+        return LoadReport(replica_id, is_alive, self.scheduler.num_queued_prefill_tokens(),
+                          len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
+                          self.pool.num_blocks, num_sending, num_incoming)
 
     # ---- the loop ------------------------------------------------------
     def step(self, on_batch: Callable[[SchedulerOutput], LayerHook | None] | None = None) -> list[StepOutput]:
@@ -157,5 +178,5 @@ class EngineCore:
                     m.first_decode_time = now
                 if seq.is_finished:
                     self._seqs.pop(seq.request_id, None)
-                outputs.append(StepOutput(seq, [seq.output_token_ids[-1]], seq.is_finished))
+                outputs.append(StepOutput(seq, [seq.output_token_ids[-1]]))
         return outputs

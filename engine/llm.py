@@ -61,6 +61,7 @@ class LLM:
             self.core.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
         del weights
         self.outputs = OutputProcessor(self.tokenizer)
+        self._texts: dict[str, str] = {}  # request id -> its text so far
         self._ids = itertools.count()
 
     @property
@@ -87,11 +88,13 @@ class LLM:
         seq = Sequence(request_id, self.encode(prompt), params)
         self.core.add(seq)
         self.outputs.add(seq)
+        self._texts[request_id] = ""
         return request_id
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
         self.outputs.discard(request_id)
+        self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
@@ -101,11 +104,23 @@ class LLM:
         """One engine step; the outputs of requests that produced a token."""
         results = []
         for out in self.core.step():
-            ro, stopped = self.outputs.process(out.seq, out.new_token_ids)
+            seq = out.seq
+            delta, stopped = self.outputs.process(seq, out.new_token_ids)
             if stopped:
-                self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
-                ro.metrics = out.seq.metrics.as_dict()
-            results.append(ro)
+                self.core.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            text = self._texts[seq.request_id] + delta.text
+            if delta.is_finished:
+                del self._texts[seq.request_id]
+            else:
+                self._texts[seq.request_id] = text
+            lps = seq.output_logprobs
+            results.append(RequestOutput(
+                seq.request_id, seq.prompt_token_ids, text, list(seq.output_token_ids), delta.text,
+                delta.token_ids, delta.is_finished,
+                delta.finish_reason.value if delta.finish_reason is not None else None, delta.stop_reason,
+                delta.error, list(lps) if lps else None,
+                lps[-len(delta.token_ids):] if lps and delta.token_ids else None, delta.num_cached_tokens,
+                seq.metrics.as_dict() if delta.is_finished else {}))
         return results
 
     def generate(self, prompts: Prompt | Iterable[Prompt],

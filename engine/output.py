@@ -1,14 +1,22 @@
 """From step outputs (token ids) to what users see: text deltas with stop
-strings applied, finish reasons, logprobs and timings."""
+strings applied, finish reasons, logprobs and timings.
+
+`OutputProcessor` turns each step's tokens into the one delta type,
+`engine.serving.types.GenerateDelta`, which a served replica sends to the
+frontend as is; the offline `LLM` folds the deltas into `RequestOutput`s.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence, SequenceStatus
+from engine.serving.types import FinishReason, GenerateDelta, TokenLogprob
 
 
 @dataclass
 class RequestOutput:
+    """The offline API's view of a request so far (`engine.LLM`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str  # full text so far
@@ -32,50 +40,57 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._detok: dict[str, object] = {}
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, emitted_token_ids: list[int] = ()) -> str:
+        """Start detokenizing ``seq``'s output. ``emitted_token_ids``: output
+        tokens another replica already sent the client (a prefilled
+        sequence's first token): the detokenizer reads them as they were
+        read there, holding back the same text; returns that text."""
         from engine.tokenizer import IncrementalDetokenizer
 
         if self.tokenizer is None:
-            return
+            return ""
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                       skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
+        self._detok[seq.request_id] = detok
+        return detok.step(emitted_token_ids) if emitted_token_ids else ""
 
-        self._detok[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids,
-            skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
+    def is_stopped(self, request_id: str) -> bool:
+        """Whether a stop string has ended the request's text."""
+        detok = self._detok.get(request_id)
+        return bool(detok is not None and detok.stopped)
 
     def discard(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
 
-    def process(self, seq: Sequence, new_token_ids: list[int]) -> tuple[RequestOutput, bool]:
-        """Returns the output delta and whether a stop string ended the request
-        (the caller must then finish the sequence in its engine)."""
+    def process(self, seq: Sequence, new_token_ids: list[int]) -> tuple[GenerateDelta, bool]:
+        """The delta for ``new_token_ids``, just appended to ``seq``, and
+        whether a stop string ended the request (the caller must then finish
+        the sequence in its engine and stamp ``timings``)."""
         detok = self._detok.get(seq.request_id)
-        delta = detok.step(new_token_ids) if detok is not None and new_token_ids else ""
+        text = detok.step(new_token_ids) if detok is not None and new_token_ids else ""
         # A stop string may complete on the same token that ends the sequence
         # (max_tokens, eos): the text is cut there all the same, so it is a stop.
         hit_stop_string = bool(detok is not None and detok.stopped)
         stopped_by_string = hit_stop_string and not seq.is_finished
         finished = seq.is_finished or stopped_by_string
         if finished and detok is not None and not detok.stopped:
-            delta += detok.flush()  # text held back as a possible stop-string start
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=detok.text if detok is not None else "",
-            token_ids=list(seq.output_token_ids),
-            delta_text=delta,
-            delta_token_ids=list(new_token_ids),
-            finished=finished,
-            finish_reason="stop" if hit_stop_string else seq.finish_reason,
-            error=seq.error,
-            logprobs=list(seq.output_logprobs) if seq.output_logprobs else None,
-            delta_logprobs=seq.output_logprobs[-len(new_token_ids):] if seq.output_logprobs and new_token_ids else None,
-            num_cached_tokens=seq.num_prefix_hit_tokens,
-        )
-        if hit_stop_string:
-            out.stop_reason = detok.stop_string
-        elif seq.status == SequenceStatus.FINISHED_STOPPED and seq.output_token_ids:
-            out.stop_reason = seq.output_token_ids[-1]
+            text += detok.flush()  # text held back as a possible stop-string start
+        delta = GenerateDelta(seq.request_id, list(new_token_ids), text,
+                              logprobs=_logprobs(seq, new_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens)
         if finished:
-            out.metrics = seq.metrics.as_dict()
+            delta.finish_reason = FinishReason.STOP if hit_stop_string else FinishReason(seq.finish_reason)
+            delta.error = seq.error
+            if hit_stop_string:
+                delta.stop_reason = detok.stop_string
+            elif seq.status == SequenceStatus.FINISHED_STOPPED and seq.output_token_ids:
+                delta.stop_reason = seq.output_token_ids[-1]
+            delta.timings = seq.metrics.timings()
             self._detok.pop(seq.request_id, None)
-        return out, stopped_by_string
+        return delta, stopped_by_string
+
+
+def _logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob] | None:
+    if not seq.output_logprobs or not new_token_ids:
+        return None
+    infos = seq.output_logprobs[-len(new_token_ids):]
+    return [TokenLogprob.from_sampler(t, info) for t, info in zip(new_token_ids, infos)]

@@ -6,7 +6,7 @@ import torch
 from engine.attention import BatchMetadata, PrefillChunk
 from engine.model import LayerHook, LlamaModel
 from engine.profiling import FORWARD, SAMPLE, phase
-from engine.sampling import Sampler
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 
 
@@ -88,5 +88,5 @@ class ModelRunner:
         with phase(SAMPLE):
             logits = self.model.compute_logits(hidden[sample_rows])
             tokens, infos = self.sampler(
-                logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
+                logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

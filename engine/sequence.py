@@ -1,13 +1,15 @@
-"""The one request object that flows through the scheduler and runner."""
+"""The one request object that flows through the scheduler and runner.
+
+Plain Python, no torch: the scheduler and block pool import it.
+"""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling import SamplingParams
+from engine.serving.types import StageTimings
 
 
 class SequenceStatus(enum.IntEnum):
@@ -51,7 +53,16 @@ class RequestMetrics:
                   "first_decode": self.first_decode_time, "finished": self.finished_time}
         return {k: v + offset for k, v in stamps.items() if v is not None}
 
+    def timings(self) -> StageTimings:
+        """The stamps as wall-clock times, for the frontend (`StageTimings`)."""
+        w = self.wall_times()
+        return StageTimings(queued=w.get("arrival"), first_scheduled=w.get("first_scheduled"),
+                            first_token=w.get("first_token"), kv_ready=w.get("kv_ready"),
+                            first_decode=w.get("first_decode"), finished=w.get("finished"),
+                            num_preemptions=self.num_preemptions)
+
     def as_dict(self) -> dict:
+        """The offline API's metrics (`RequestOutput.metrics`)."""
         d = {"num_preemptions": self.num_preemptions, "wall_times": self.wall_times()}
         if self.first_scheduled_time is not None:
             d["queue_time"] = self.first_scheduled_time - self.arrival_time
@@ -78,15 +89,9 @@ class Sequence:
     num_prefix_hit_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    generator: torch.Generator | None = None
     # prefill-only sequences stop after their first token and keep their blocks
     # (the prefill stage frees them once the KV transfer has finished)
     prefill_only: bool = False
-
-    def __post_init__(self):
-        if self.params.seed is not None and not self.params.is_greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.params.seed)
 
     @property
     def token_ids(self) -> list[int]:
@@ -95,6 +100,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,82 +1,57 @@
 """The prefill stage: computes prompts and pushes their KV to decode replicas.
 
-Life-cycle of a request in a prefill replica:
+Life-cycle of a request in a prefill replica (frames of `engine.serving.frames`):
 
-1. prefill(request, ticket): the sequence enters the engine's waiting queue
-   with the decode replica's ticket, or without one: the caller may start
-   the prompt while the decode replica is still reserving and attach the
-   ticket a moment later (attach_ticket), taking that round trip off the
-   time to first token. While it waits, the ticket's lease is renewed so
-   the reserved blocks on the decode side are not reclaimed.       [waiting]
+1. `Prefill`: the sequence enters the engine's waiting queue. The frontend
+   sends it at the same moment as the decode replica's `Reserve`, so the
+   ticket (the decode replica's endpoint, blocks and lease) comes a moment
+   later, in an `Attach`; until then nothing can be sent, and once it came
+   the ticket's lease is renewed while the prompt waits, so the reserved
+   blocks on the decode side are not reclaimed.                 [waiting]
 2. The engine batches prompts under the token budget, chunks long ones and
-   reuses cached prefix blocks. When a batch holds a prompt's last chunk,
-   the KV sender starts that transfer before the forward pass, and the
-   per-layer hook pushes layer i as soon as it is written, while layer i+1
-   computes. On CUDA, a ticket that comes while that pass runs (the usual
-   case when the caller starts the prompt first) is picked up between
-   layers: the layers written so far go at once, the rest as they are
-   written (`late_ticket_overlap`; on CPU it goes after the pass).
-                                                              [transferring]
-3. The first token is sampled and committed; the prompt's blocks stay held,
-   since the sender still reads them. (A prompt that finished before its
-   ticket came is sent whole, all layers at once, when it comes.) The
-   caller of prefill_stream() gets the token at once, with its text and
-   logprobs, ahead of the transfer's outcome.                  [committing]
+   reuses cached prefix blocks. When a batch holds a prompt's last chunk
+   and its ticket is here, the KV sender starts that transfer before the
+   forward pass, and the per-layer hook pushes layer i as soon as it is
+   written, while layer i+1 computes. On CUDA, a ticket that comes while
+   that pass runs is picked up between layers: the layers written so far go
+   at once, the rest as they are written (`late_ticket_overlap`; on CPU it
+   goes after the pass).                                    [transferring]
+3. The first token is sampled and sent to the frontend at once, as a
+   `FirstToken` with its text and logprobs, ahead of the transfer's
+   outcome; the sender commits it to the decode replica, which streams
+   from the second token on. The prompt's blocks stay held, since the
+   sender still reads them. (A prompt computed before its ticket came is
+   sent whole, all layers at once, when the ticket comes.)     [committing]
 4. The sender reports DONE or FAILED: the blocks are freed (full ones stay
-   in the prefix cache) and the caller gets the result: the first token or
-   the error.                                                        [done]
-Abort at any point frees everything the request holds on this replica.
+   in the prefix cache) and the frontend gets a `PrefillDone` with the
+   error, if any, and this replica's timings.                       [done]
+`Abort` at any point frees everything the request holds on this replica.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.kv_cache import model_fingerprint
+from engine.output import OutputProcessor
 from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
-from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.stage_loop import StageLoop, load_engine
-from engine.channel import FirstToken
-
-
-@dataclass
-class PrefillResult:
-    request_id: str
-    status: str  # "DONE" | "FAILED"
-    first_token: int | None = None
-    logprobs: dict | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    timings: dict = field(default_factory=dict)  # queue_time_s, prefill_time_s, kv_transfer_time_s, kv_transfer_bytes,
-    # wall_times: {prefill_queued, prefill_start, prefill_end} as time.time() stamps
+from engine.serving.frames import Attach, FirstToken, Prefill, PrefillDone
+from engine.serving.stage_loop import StageLoop, load_engine
+from engine.serving.types import GenerateDelta, LoadReport, TokenLogprob
 
 
 @dataclass
 class _Job:
     seq: Sequence
-    ticket: object
-    events: queue.SimpleQueue | "_ChannelEvents"  # the caller's FirstToken, then its PrefillResult
+    ch: object  # the channel the request came by: its FirstToken and PrefillDone go there
     next_renew: float
+    ticket: object | None = None
     sending: bool = False
-    compute_done: float | None = None
     first_token: int | None = None  # sampled before the ticket came: send on attach
-
-
-class _ChannelEvents:
-    """A job's events sent back over the request channel it came by."""
-
-    def __init__(self, ch, request_id: str):
-        self.ch = ch
-        self.request_id = request_id
-
-    def put(self, item) -> None:
-        self.ch.send(("first" if isinstance(item, FirstToken) else "result", self.request_id, item))
 
 
 class PrefillStage(StageLoop):
@@ -102,7 +77,6 @@ class PrefillStage(StageLoop):
         self.lease_s = float(opts.pop("lease_s", 30.0))
         self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
         self._jobs: dict[str, _Job] = {}
-        self._early_tickets: dict = {}  # attach_ticket() that overtook its prefill()
         # tickets as they arrive (any thread), so a forward pass already under
         # way picks them up between layers instead of sending it all afterwards
         self._tickets_in: dict = {}
@@ -111,46 +85,14 @@ class PrefillStage(StageLoop):
                                     else late_ticket_overlap)
         super().__init__(replica_id, core, tokenizer)
 
-    # ---- API (any thread) --------------------------------------------------
-    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
-                timeout_s: float = 600.0) -> PrefillResult:
-        """Compute the prompt and push its KV into ``ticket``'s blocks (None:
-        the ticket comes through attach_ticket). Blocks until the transfer is
-        DONE or FAILED; returns the first token."""
-        for item in self.prefill_stream(request_id, prompt_token_ids, params, ticket, timeout_s=timeout_s):
-            if isinstance(item, PrefillResult):
-                return item
-        raise AssertionError("prefill_stream ends with a PrefillResult")
+    # ---- frames ------------------------------------------------------------
+    def _handlers(self):
+        return {**super()._handlers(), Prefill: self._on_prefill, Attach: self._on_attach}
 
-    def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket=None,
-                       timeout_s: float = 600.0) -> Iterator[FirstToken | PrefillResult]:
-        """prefill(), streamed: yields the `engine.channel.FirstToken` as
-        soon as it is sampled (unless the request fails first), then the
-        `PrefillResult`."""
-        self.core.check_prompt(prompt_token_ids, 1)
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        self.call(self._add, request_id, prompt_token_ids, params, ticket, events)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.abort(request_id)
-                yield PrefillResult(request_id, "FAILED", error=f"prefill did not finish within {timeout_s}s")
-                return
-            yield item
-            if isinstance(item, PrefillResult):
-                return
-
-    def attach_ticket(self, request_id: str, ticket) -> None:
-        """The decode replica's ticket for a prefill() started without one."""
-        self._ticket_in(request_id, ticket)
-        self.post(self._attach, request_id, ticket)
-
-    def _on_channel_command(self, ch, msg: tuple) -> None:
-        if msg[0] == "attach":
-            self._ticket_in(msg[1], msg[2])
-        super()._on_channel_command(ch, msg)
+    def handle(self, ch, frame) -> None:
+        if isinstance(frame, Attach):  # seen at once, so a forward pass under way can pick it up
+            self._ticket_in(frame.request_id, frame.ticket)
+        super().handle(ch, frame)
 
     def _ticket_in(self, request_id: str, ticket) -> None:
         """Any thread: a forward pass in progress picks the ticket up between layers (late_ticket_overlap)."""
@@ -159,40 +101,31 @@ class PrefillStage(StageLoop):
                 self._tickets_in[request_id] = ticket
 
     # ---- loop thread -------------------------------------------------------
-    def _add(self, request_id, prompt_token_ids, params, ticket, events) -> None:
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=True)
-        self.core.add(seq)
-        ticket = ticket or self._early_tickets.pop(request_id, None)
-        self._jobs[request_id] = _Job(seq, ticket, events, time.monotonic() + self.lease_s / 3)
-
-    def _channel_ops(self):
-        return dict(super()._channel_ops(), prefill=self._ch_prefill, attach=self._ch_attach)
-
-    def _ch_attach(self, ch, request_id, ticket) -> None:
-        if request_id in self._jobs:  # else it ended already (its prefill command came first, on this channel)
-            self._attach(request_id, ticket)
-        else:
-            with self._tickets_lock:
-                self._tickets_in.pop(request_id, None)
-
-    def _ch_prefill(self, ch, request_id, prompt_token_ids, params) -> None:
-        if not self._route(ch, request_id):
+    def _on_prefill(self, ch, frame: Prefill) -> None:
+        rid = frame.request_id
+        if not self._route(ch, rid):
             return
         try:
-            if request_id in self._jobs:
-                raise ValueError(f"request_id: {request_id!r} is already running on {self.replica_id}")
-            self.core.check_prompt(prompt_token_ids, 1)
-            self._add(request_id, prompt_token_ids, params, None, _ChannelEvents(ch, request_id))
+            if rid in self._jobs:
+                raise ValueError(f"request_id: {rid!r} is already running on {self.replica_id}")
+            seq = Sequence(rid, list(frame.prompt_token_ids), frame.params, prefill_only=True)
+            self.core.add(seq)
         except Exception as e:
-            self._refuse(ch, request_id, e)
+            self._refuse(ch, rid, e)
+            return
+        self._jobs[rid] = _Job(seq, ch, time.monotonic() + self.lease_s / 3)
+
+    def _on_attach(self, ch, frame: Attach) -> None:
+        if frame.request_id in self._jobs:  # else it ended already (its Prefill came first, on this channel)
+            self._attach(frame.request_id, frame.ticket)
+        else:
+            with self._tickets_lock:
+                self._tickets_in.pop(frame.request_id, None)
 
     def _attach(self, request_id: str, ticket) -> None:
         with self._tickets_lock:
             self._tickets_in.pop(request_id, None)
-        job = self._jobs.get(request_id)
-        if job is None:
-            self._early_tickets[request_id] = ticket
-            return
+        job = self._jobs[request_id]
         if job.sending:  # a forward pass picked the ticket up between layers
             return
         job.ticket = ticket
@@ -219,9 +152,8 @@ class PrefillStage(StageLoop):
         else:
             self._jobs.pop(request_id)
             if self.core.abort(request_id) is None:  # computed, waiting for its ticket
-                self.core.kv.free(job.seq)
-            job.events.put(PrefillResult(request_id, "FAILED", error="aborted"))
-            self._routes.pop(request_id, None)
+                self.core.free_prefilled(job.seq)
+            self._done(job, "aborted")
 
     def _on_batch(self, sched: SchedulerOutput):
         starting, waiting = [], []  # prompts ending in this batch, with and without a ticket
@@ -270,10 +202,9 @@ class PrefillStage(StageLoop):
                 job = self._jobs.get(out.seq.request_id)
                 if job is None:
                     continue
-                job.compute_done = time.monotonic()
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
-                job.events.put(self._first_token(out.seq, out.new_token_ids[0]))  # ahead of the transfer
+                job.ch.send(self._first_token(out.seq, out.new_token_ids[0]))  # ahead of the transfer
                 if not job.sending:  # no ticket yet: _attach sends it
                     job.first_token = out.new_token_ids[0]
                     continue
@@ -284,47 +215,30 @@ class PrefillStage(StageLoop):
             job = self._jobs.pop(result.request_id, None)
             if job is None:
                 continue
-            self.core.kv.free(job.seq)
-            job.events.put(self._result(job, result))
-            self._routes.pop(result.request_id, None)
+            self.core.free_prefilled(job.seq)
+            self._done(job, None if result.status == "DONE" else result.error, result.finished_at)
         self._renew_leases()
         return busy
 
     def _first_token(self, seq: Sequence, token_id: int) -> FirstToken:
-        text = ""
-        if self.tokenizer is not None:
-            from engine.tokenizer import IncrementalDetokenizer
+        """The text is what the decode replica's detokenizer, primed with this
+        token, will also have emitted (`OutputProcessor.add`)."""
+        text = OutputProcessor(self.tokenizer).add(seq, [token_id])
+        info = seq.output_logprobs[0] if seq.output_logprobs else None
+        return FirstToken(GenerateDelta(seq.request_id, [token_id], text,
+                                        logprobs=[TokenLogprob.from_sampler(token_id, info)] if info else None,
+                                        num_cached_tokens=seq.num_prefix_hit_tokens))
 
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                           skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
-            text = detok.step([token_id])
-        return FirstToken(seq.request_id, token_id, text, seq.output_logprobs[0] if seq.output_logprobs else None,
-                          seq.num_prefix_hit_tokens)
-
-    def _result(self, job: _Job, result) -> PrefillResult:
-        seq = job.seq
-        m = seq.metrics
-        now = time.monotonic()
-        timings = {}
-        if m.first_scheduled_time is not None:
-            timings["queue_time_s"] = m.first_scheduled_time - m.arrival_time
-            if job.compute_done is not None:
-                timings["prefill_time_s"] = job.compute_done - m.first_scheduled_time
-                # what the transfer added after compute, to when it ended (poll() may come a forward pass later)
-                ended = now - (time.time() - result.finished_at)
-                timings["kv_transfer_time_s"] = max(0.0, ended - job.compute_done)
-        timings["kv_transfer_bytes"] = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block
-        wall = m.wall_times()  # for a request timeline: queued here, prefill start and end
-        timings["wall_times"] = {"prefill_queued": wall["arrival"]}
-        if "first_scheduled" in wall:
-            timings["wall_times"]["prefill_start"] = wall["first_scheduled"]
-        if job.compute_done is not None:
-            timings["wall_times"]["prefill_end"] = job.compute_done + (time.time() - now)
-        if result.status != "DONE":
-            return PrefillResult(seq.request_id, "FAILED", error=result.error, timings=timings)
-        return PrefillResult(seq.request_id, "DONE", result.first_token,
-                             seq.output_logprobs[0] if seq.output_logprobs else None,
-                             num_cached_tokens=seq.num_prefix_hit_tokens, timings=timings)
+    def _done(self, job: _Job, error: str | None, finished_at: float | None = None) -> None:
+        """Tell the frontend the request is over here, with this replica's
+        timings: the transfer's is what it added after the first token, to
+        when it ended (``finished_at``; poll() may notice a forward pass later)."""
+        self._routes.pop(job.seq.request_id, None)
+        t = job.seq.metrics.timings()
+        kv_time = None if finished_at is None or t.first_token is None else max(0.0, finished_at - t.first_token)
+        nbytes = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block if job.ticket is not None else 0
+        job.ch.send(PrefillDone(job.seq.request_id, error,
+                                replace(t, kv_transfer_time_s=kv_time, kv_transfer_bytes=nbytes)))
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -339,14 +253,9 @@ class PrefillStage(StageLoop):
     def _on_stop(self) -> None:
         self.sender.close()
         for job in list(self._jobs.values()):
-            job.events.put(PrefillResult(job.seq.request_id, "FAILED", error="prefill replica stopped"))
+            self._done(job, "prefill replica stopped")
         self._jobs.clear()
         self._routes.clear()
 
-    def close(self) -> None:
-        self.stop()
-
-    def _snapshot_load(self) -> dict:
-        load = super()._snapshot_load()
-        load["num_sending"] = sum(j.sending for j in self._jobs.values())
-        return load
+    def _snapshot_load(self) -> LoadReport:
+        return self.core.load(self.replica_id, num_sending=sum(j.sending for j in self._jobs.values()))

@@ -10,8 +10,10 @@ import socket
 
 import pytest
 
-from engine.channel import ChannelClient, ChannelError, ChannelServer, FirstToken
-from engine.stage_loop import Delta
+from engine.sampling import SamplingParams
+from engine.serving.channel import ChannelClient, ChannelError, ChannelServer
+from engine.serving.frames import Abort, Deltas, FirstToken, Lost, Submit
+from engine.serving.types import GenerateDelta, TokenLogprob
 
 SECRET = b"s" * 32
 
@@ -49,14 +51,16 @@ def test_commands_reach_the_replica_and_events_reach_their_request():
         server, replica = await _connected()
         inbox = server.open("r1", ["decode-0"])
         other = server.open("r2", ["decode-0"])
-        server.send("decode-0", ("submit", "r1", [1, 2, 3], {"max_tokens": 4}))
-        assert await _in_thread(replica.commands.get, True, 5) == ("submit", "r1", [1, 2, 3], {"max_tokens": 4})
-        lp = {"token_logprob": -0.25, "top": [[7, -0.25]]}
-        replica.client.send(("first", "r1", FirstToken("r1", 7, " Paris", lp)))
-        replica.client.send(("deltas", None, [Delta("r2", [5], "a"), Delta("r1", [8], "b"), Delta("gone", [1], "")]))
-        assert await asyncio.wait_for(inbox.get(), 5) == ("first", FirstToken("r1", 7, " Paris", lp))
-        assert await asyncio.wait_for(inbox.get(), 5) == ("delta", Delta("r1", [8], "b"))
-        assert await asyncio.wait_for(other.get(), 5) == ("delta", Delta("r2", [5], "a"))
+        submit = Submit("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+        server.send("decode-0", submit)
+        assert await _in_thread(replica.commands.get, True, 5) == submit
+        first = FirstToken(GenerateDelta("r1", [7], " Paris", logprobs=[TokenLogprob(7, -0.25, ((7, -0.25),))]))
+        replica.client.send(first)
+        replica.client.send(Deltas([GenerateDelta("r2", [5], "a"), GenerateDelta("r1", [8], "b"),
+                                    GenerateDelta("gone", [1], "")]))
+        assert await asyncio.wait_for(inbox.get(), 5) == first
+        assert await asyncio.wait_for(inbox.get(), 5) == GenerateDelta("r1", [8], "b")
+        assert await asyncio.wait_for(other.get(), 5) == GenerateDelta("r2", [5], "a")
         with pytest.raises(ValueError, match="already running"):
             server.open("r1", ["decode-0"])
         with pytest.raises(ChannelError, match="prefill-0"):
@@ -93,16 +97,16 @@ def test_a_dead_replica_ends_its_requests_and_a_gone_frontend_tells_the_replica(
         server, replica = await _connected(on_lost=lost.append)
         inbox = server.open("r1", ["decode-0"])
         replica.client._sock.shutdown(socket.SHUT_RDWR)  # the replica process goes: its socket closes
-        assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
+        assert await asyncio.wait_for(inbox.get(), 5) == Lost("decode-0")
         assert lost == ["decode-0"] and not server.is_connected("decode-0")
         with pytest.raises(ChannelError):
-            server.send("decode-0", ("abort", "r1"))
+            server.send("decode-0", Abort("r1"))
 
         replica = await _in_thread(Replica, server.address)  # it comes back
         await server.wait_connected(["decode-0"], 5)
         server.drop("decode-0")  # Ray says it is dead
         assert await _in_thread(replica.lost.get, True, 5)
-        assert replica.client.send(("deltas", None, [])) is False
+        assert replica.client.send(Deltas([])) is False
         await server.stop()
     asyncio.run(main())
 
@@ -112,7 +116,7 @@ def test_an_oversized_frame_drops_the_connection_without_reading_it():
         server, replica = await _connected()
         inbox = server.open("r1", ["decode-0"])
         replica.client._sock.sendall((1 << 31).to_bytes(4, "big"))
-        assert await asyncio.wait_for(inbox.get(), 5) == ("lost", "decode-0")
+        assert await asyncio.wait_for(inbox.get(), 5) == Lost("decode-0")
         await server.stop()
     asyncio.run(main())
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from engine.sampling import Sampler, SamplingError, SamplingParams
-from engine.stage_loop import Delta
+from engine.sampler import Sampler, stream_seed
+from engine.sampling import SamplingError, SamplingParams
+from engine.sequence import Sequence
 from tests.engine.factories import random_prompts, tiny_llm
 
 
@@ -92,7 +93,7 @@ LOGITS = PROBS.log()
 
 
 def _draws(params: SamplingParams, logits=LOGITS, n=3000, seed=0) -> set[int]:
-    tokens, _ = Sampler(seed)(logits.expand(n, -1).clone(), [params] * n, [None] * n)
+    tokens, _ = Sampler(seed)(logits.expand(n, -1).clone(), [params] * n, [0] * n)
     return set(tokens)
 
 
@@ -115,10 +116,10 @@ def test_filters_never_emit_an_excluded_token_and_keep_the_rest(kw, allowed):
 
 def test_sampling_follows_the_distribution():
     n = 20000
-    tokens, _ = Sampler(1)(LOGITS.expand(n, -1).clone(), [SamplingParams(temperature=1.0)] * n, [None] * n)
+    tokens, _ = Sampler(1)(LOGITS.expand(n, -1).clone(), [SamplingParams(temperature=1.0)] * n, [0] * n)
     freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / n
     assert torch.allclose(freq, PROBS, atol=0.015), freq
-    hot, _ = Sampler(1)(LOGITS.expand(n, -1).clone(), [SamplingParams(temperature=2.0)] * n, [None] * n)
+    hot, _ = Sampler(1)(LOGITS.expand(n, -1).clone(), [SamplingParams(temperature=2.0)] * n, [0] * n)
     hot_freq = torch.bincount(torch.tensor(hot), minlength=6).float() / n
     assert torch.allclose(hot_freq, (LOGITS / 2).softmax(-1), atol=0.015), hot_freq
 
@@ -128,14 +129,25 @@ def test_seeded_rows_ignore_their_neighbours():
     logits = torch.randn(5, 50, generator=g)
     p = SamplingParams(temperature=1.0, seed=42)
 
-    def gen():
-        return torch.Generator().manual_seed(42)
-
-    alone = [Sampler(0)(logits[2:3], [p], [gen()])[0][0] for _ in range(3)]
+    alone = [Sampler(0)(logits[2:3], [p], [3])[0][0] for _ in range(3)]
     params = [SamplingParams(temperature=0.7)] * 5
     params[2] = p
-    batched = Sampler(9)(logits, params, [None, None, gen(), None, None])[0][2]
+    batched = Sampler(9)(logits, params, [0, 7, 3, 1, 0])[0][2]
     assert alone == [batched] * 3
+
+
+def test_a_seeded_stream_is_a_function_of_seed_and_position():
+    """The draw at output position i depends on (seed, i) only: another replica
+    that takes the request over at position i draws what this one would have."""
+    logits = torch.zeros(64, 1000)  # uniform: every draw shows its generator
+    p = SamplingParams(temperature=1.0, seed=7)
+    run = Sampler(0)(logits, [p] * 64, list(range(64)))[0]
+    resumed = Sampler(5)(logits[:32], [p] * 32, list(range(32, 64)))[0]
+    assert resumed == run[32:]
+    assert len(set(run)) > 40  # positions give unrelated draws, not one repeated
+    other = Sampler(0)(logits, [SamplingParams(temperature=1.0, seed=8)] * 64, list(range(64)))[0]
+    assert other != run
+    assert len({stream_seed(s, i) for s in range(32) for i in range(32)}) == 32 * 32
 
 
 def _allowed(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float, eps: float = 1e-4):
@@ -188,7 +200,7 @@ def test_filters_property(logits, t, top_k, top_p, min_p, seed):
     _, allowed = _allowed(x, t, top_k, top_p, min_p)
     n = 64
     params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
-    tokens, _ = Sampler(seed)(x.expand(n, -1).clone(), [params] * n, [None] * n)
+    tokens, _ = Sampler(seed)(x.expand(n, -1).clone(), [params] * n, [0] * n)
     assert set(tokens) <= allowed
     assert int(x.argmax()) in allowed  # the most likely token always survives
 
@@ -198,7 +210,7 @@ def test_filters_property(logits, t, top_k, top_p, min_p, seed):
        t=st.floats(0.0, 2e-5, exclude_min=True))
 def test_near_zero_temperature_is_greedy(logits, t):
     x = torch.tensor([logits])
-    tokens, _ = Sampler(0)(x, [SamplingParams(temperature=t, top_p=0.5, top_k=3)], [None])
+    tokens, _ = Sampler(0)(x, [SamplingParams(temperature=t, top_p=0.5, top_k=3)], [0])
     if t < 1e-5 or torch.topk(x[0], 2).values.diff().abs().item() > 1e-3:
         assert tokens == [int(x.argmax())]
 
@@ -211,7 +223,7 @@ def test_logprobs_are_sorted_and_match_log_softmax(temperature, n):
     g = torch.Generator().manual_seed(n)
     logits = torch.randn(4, 64, generator=g) * 3
     params = [SamplingParams(temperature=temperature, logprobs=n)] * 3 + [SamplingParams(temperature=temperature)]
-    tokens, infos = Sampler(0)(logits, params, [None] * 4)
+    tokens, infos = Sampler(0)(logits, params, [0] * 4)
     ref = logits.double().log_softmax(-1)
     assert infos[3] is None
     for i in range(3):
@@ -243,7 +255,16 @@ def test_logprobs_through_the_engine_cover_every_token(llm):
     assert llm.core.pool.is_fully_free()
     chunks = list(llm.stream(prompts[0], SamplingParams(max_tokens=9, temperature=0, logprobs=3, ignore_eos=True)))
     assert [lp for c in chunks for lp in c.delta_logprobs] == chunks[-1].logprobs == outs[0].logprobs
-    deltas = [Delta.from_output(c) for c in chunks]  # what a serving stage streams
+    # what a serving stage streams: each token's logprobs on its own delta
+    from engine.output import OutputProcessor
+
+    proc, seq = OutputProcessor(None), Sequence("s", prompts[0], SamplingParams(max_tokens=9, logprobs=3))
+    deltas = []
+    for tok, info in zip(outs[0].token_ids, outs[0].logprobs):
+        seq.output_token_ids.append(tok)
+        seq.output_logprobs.append(info)
+        deltas.append(proc.process(seq, [tok])[0])
     assert all(len(d.logprobs) == len(d.token_ids) == 1 for d in deltas)
-    assert [lp for d in deltas for lp in d.logprobs] == outs[0].logprobs
+    assert [(lp.token_id, lp.logprob, list(lp.top)) for d in deltas for lp in d.logprobs] == [
+        (t, i["token_logprob"], i["top"]) for t, i in zip(outs[0].token_ids, outs[0].logprobs)]
     assert llm.core.pool.is_fully_free()

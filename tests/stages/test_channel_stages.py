@@ -1,4 +1,4 @@
-"""The stages served over their request channels (`engine.channel`), as the
+"""The stages served over their request channels (`engine.serving.channel`), as the
 frontend drives them: a disaggregated request equals the offline engine's
 and a colocated one too; a refused command names what is wrong; a channel
 that breaks aborts what its requests hold on both stages."""
@@ -10,14 +10,16 @@ import time
 import pytest
 
 from decode.stage import DecodeStage
-from engine.channel import ChannelServer
+from engine.serving.channel import ChannelServer
+from engine.serving.frames import Attach, FirstToken, Lost, Prefill, PrefillDone, Refused, Reserve, Submit, TicketReady
+from engine.serving.types import GenerateDelta
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.sequence import SequenceStatus
 from prefill.stage import PrefillStage
 from tests.engine.factories import random_prompts, save_tiny_model
-from tests.stages.test_stages import _wait_free
+from tests.stages.harness import wait_free as _wait_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SECRET = b"k" * 32
@@ -61,22 +63,24 @@ async def _drive(server, rid, prompt, params, prefill="prefill-0", decode="decod
     inbox = server.open(rid, replicas)
     try:
         if prefill:
-            server.send(prefill, ("prefill", rid, prompt, params))
-            server.send(decode, ("reserve", rid, prompt, params))
+            server.send(prefill, Prefill(rid, prompt, params))
+            server.send(decode, Reserve(rid, prompt, params))
         else:
-            server.send(decode, ("submit", rid, prompt, params))
+            server.send(decode, Submit(rid, prompt, params))
         ids, kinds = [], []
         while True:
-            kind, payload = await asyncio.wait_for(inbox.get(), 30)
-            kinds.append(kind)
-            if kind == "ticket":
-                server.send(prefill, ("attach", rid, payload))
-            elif kind in ("error", "lost"):
-                return ids, f"{kind}: {payload}", kinds
-            elif kind == "delta":
-                ids.extend(payload.token_ids)
-                if payload.finished:
-                    return ids, payload.finish_reason, kinds
+            event = await asyncio.wait_for(inbox.get(), 30)
+            kinds.append(type(event))
+            if isinstance(event, TicketReady):
+                server.send(prefill, Attach(rid, event.ticket))
+            elif isinstance(event, (Refused, Lost)):
+                return ids, f"error: {event}", kinds
+            elif isinstance(event, FirstToken):
+                ids.extend(event.delta.token_ids)
+            elif isinstance(event, GenerateDelta):
+                ids.extend(event.token_ids)
+                if event.is_finished:
+                    return ids, event.finish_reason, kinds
                 if stop_after is not None and len(ids) >= stop_after:
                     return ids, "stopped", kinds
     finally:
@@ -96,7 +100,7 @@ def test_requests_over_the_channels_equal_the_engine(model_dir, served):
     for i, (ids, finish, kinds) in enumerate(results):
         assert finish == "length" and ids == ref[i % 4].token_ids, (i, finish)
     for _, _, kinds in results[:4]:  # disaggregated: ticket, first token and prefill result came back too
-        assert {"ticket", "first", "result"} <= set(kinds)
+        assert {TicketReady, FirstToken, PrefillDone} <= set(kinds)
     assert _wait_free(*stages.values())
 
 
@@ -109,19 +113,19 @@ def test_a_refused_command_names_what_is_wrong_and_holds_nothing(served):
         reserve_on_colocated = await _drive(server, "r", p, GREEDY, prefill=None, decode="colocated-0")
         # a reservation sent where a whole request belongs
         inbox = server.open("x", ["colocated-0"])
-        server.send("colocated-0", ("reserve", "x", p, GREEDY))
+        server.send("colocated-0", Reserve("x", p, GREEDY))
         wrong_stage = await asyncio.wait_for(inbox.get(), 10)
         server.close("x")
         inbox = server.open("y", ["prefill-0"])
-        server.send("prefill-0", ("teleport", "y"))
+        server.send("prefill-0", Submit("y", p, GREEDY))  # a whole request sent to a prefill replica
         unknown = await asyncio.wait_for(inbox.get(), 10)
         server.close("y")
         return too_long, reserve_on_colocated, wrong_stage, unknown
     too_long, ok, wrong_stage, unknown = loop.run_until_complete(main())
     assert too_long[1].startswith("error:") and "prompt" in too_long[1]
     assert ok[1] == "length"
-    assert wrong_stage[0] == "error" and "colocated" in wrong_stage[1]
-    assert unknown == ("error", "prefill-0 does not take 'teleport'")
+    assert isinstance(wrong_stage, Refused) and "colocated" in wrong_stage.error
+    assert unknown == Refused("y", "prefill-0 does not take Submit")
     assert _wait_free(*stages.values())
 
 
@@ -131,16 +135,16 @@ def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(served):
 
     async def main():
         inbox = server.open("dup", ["colocated-0"])
-        server.send("colocated-0", ("submit", "dup", p, GREEDY))
-        server.send("colocated-0", ("submit", "dup", p, GREEDY))
+        server.send("colocated-0", Submit("dup", p, GREEDY))
+        server.send("colocated-0", Submit("dup", p, GREEDY))
         ids, errors = [], []
         while True:
-            kind, payload = await asyncio.wait_for(inbox.get(), 30)
-            if kind == "error":
-                errors.append(payload)
-            elif payload.token_ids or payload.finished:
-                ids.extend(payload.token_ids)
-                if payload.finished:
+            event = await asyncio.wait_for(inbox.get(), 30)
+            if isinstance(event, Refused):
+                errors.append(event.error)
+            elif event.token_ids or event.is_finished:
+                ids.extend(event.token_ids)
+                if event.is_finished:
                     server.close("dup")
                     return ids, errors
     ids, errors = loop.run_until_complete(main())

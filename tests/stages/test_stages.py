@@ -1,7 +1,8 @@
-"""The prefill and decode stages in one process over the `local` transport:
-a disaggregated request equals the offline engine's, whether its ticket
-comes before the prompt is computed or after, and aborts at any point leave
-both pools free."""
+"""The prefill and decode stages in one process over the `local` transport,
+driven through their frame handlers (`tests.stages.harness`): a
+disaggregated request equals the offline engine's, whether its ticket comes
+before the prompt is computed or after; each token comes once, from one
+replica; aborts at any point leave both pools free."""
 from __future__ import annotations
 
 import time
@@ -12,17 +13,25 @@ from decode.stage import DecodeStage
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.serving.frames import Abort, Attach, FirstToken, Prefill, PrefillDone, Reserve, TicketReady
+from engine.serving.types import FinishReason
 from prefill.stage import PrefillStage
-from tests.engine.factories import random_prompts, save_tiny_model
+from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
+from tests.stages.harness import Driver, disaggregated, wait_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, default_model_dir):
     d = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(d, "llama")
+    save_tiny_model_with_tokenizer(d, default_model_dir)  # outputs have text
     return d
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
 
 
 @pytest.fixture
@@ -30,62 +39,77 @@ def stages(model_dir):
     cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
     decode = DecodeStage("decode-0", str(model_dir), cfg, {"backend": "local", "secret": "s", "lease_s": 10})
     prefill = PrefillStage("prefill-0", str(model_dir), cfg, {"secret": "s", "lease_s": 10, "deadline_s": 10})
-    yield prefill, decode
+    yield Driver(prefill), Driver(decode)
     prefill.close()
     decode.close()
 
 
-def _collect(decode, rid):
-    ids, finish = [], None
-    for batch in decode.stream(rid, timeout_s=30):
-        for d in batch:
-            ids.extend(d.token_ids)
-            finish = d.finish_reason or finish
-    return ids, finish
-
-
-def _wait_free(*stages_, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(s.is_fully_free() for s in stages_):
-            return True
-        time.sleep(0.05)
-    return False
+def _ids(first, deltas) -> list[int]:
+    return first.delta.token_ids + [t for d in deltas for t in d.token_ids]
 
 
 @pytest.mark.parametrize("ticket_first", [True, False], ids=["ticket-first", "ticket-after-prefill"])
-def test_disaggregated_request_equals_engine(model_dir, stages, ticket_first):
-    from concurrent.futures import ThreadPoolExecutor
-
+def test_disaggregated_request_equals_engine(reference, stages, ticket_first):
     prefill, decode = stages
     prompts = random_prompts(3, 96, [5, 40, 17], seed=3)
-    ref = LLM(str(model_dir), dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)
-    with ThreadPoolExecutor(3) as pool:
-        for i, p in enumerate(prompts):
-            rid = f"r{i}-{ticket_first}"
-            if ticket_first:
-                ticket = decode.reserve(rid, p, GREEDY)
-                fut = pool.submit(prefill.prefill, rid, p, GREEDY, ticket)
-            else:
-                fut = pool.submit(prefill.prefill, rid, p, GREEDY, None)
-                time.sleep(0.3)  # the prompt is computed before the ticket exists
-                prefill.attach_ticket(rid, decode.reserve(rid, p, GREEDY))
-            ids, finish = _collect(decode, rid)
-            assert fut.result(timeout=30).status == "DONE"
-            assert ids == ref[i].token_ids and finish == "length"
-    assert _wait_free(prefill, decode)
+    ref = reference.generate(prompts, GREEDY)
+    for i, p in enumerate(prompts):
+        first, deltas, done = disaggregated(prefill, decode, f"r{i}", p, GREEDY, ticket_first)
+        assert done.ok, done.error
+        assert _ids(first, deltas) == ref[i].token_ids and deltas[-1].finish_reason == "length"
+        # one path per token: the decode replica streams from the second token on
+        assert [t for d in deltas for t in d.token_ids] == ref[i].token_ids[1:]
+    assert wait_free(prefill.stage, decode.stage)
 
 
-def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(model_dir, stages):
-    """The caller starts the prompt before the decode replica's ticket exists;
-    the ticket lands as the forward pass begins. Its KV must go layer by layer
-    from inside that pass, not all at once after it."""
+def test_the_text_across_the_seam_and_a_first_token_that_ends_the_request(model_dir, reference, stages):
+    """The client's text is the engine's, though its first token's text was
+    made on another replica; a request that its first token ends (max_tokens,
+    a stop token, a stop string) gets its last delta, without the token again,
+    from the decode replica."""
+    from engine.tokenizer import Tokenizer
+
     prefill, decode = stages
+    p = random_prompts(1, 96, [20], seed=9)[0]
+    ref = reference.generate([p], GREEDY)[0]
+    first_id = ref.token_ids[0]
+    cases = {
+        "max-tokens": SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        "stop-token": SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first_id]),
+        "long": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    }
+    text = Tokenizer.from_folder(model_dir).decode([first_id])
+    assert text.strip(), "the prompt's first output token has no text: pick another seed"
+    cases["stop-string"] = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[text.strip()])
+    for name, params in cases.items():
+        want = reference.generate([p], params)[0]
+        first, deltas, done = disaggregated(prefill, decode, name, p, params)
+        assert done.ok
+        assert _ids(first, deltas) == want.token_ids, name
+        assert first.delta.text + "".join(d.text for d in deltas) == want.text, name
+        assert deltas[-1].finish_reason == want.finish_reason, name
+        assert want.text or name == "stop-string", name
+        assert (want.finish_reason == "stop") == name.startswith("stop"), name
+        if len(want.token_ids) == 1:
+            assert [d.token_ids for d in deltas] == [[]], name  # the token came once, from prefill
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(reference, stages):
+    """The frontend starts the prompt before the decode replica's ticket
+    exists; the ticket lands as the forward pass begins. Its KV must go layer
+    by layer from inside that pass, not all at once after it. (The layer
+    hook is wrapped only to land the Attach at layer 0 and to see where each
+    push happens.)"""
+    prefill, decode = stages
+    stage = prefill.stage
     p = random_prompts(1, 96, [40], seed=8)[0]
-    ref = LLM(str(model_dir), dtype="float32", num_kv_blocks=64).generate([p], GREEDY)[0]
-    ticket = decode.reserve("mid", p, GREEDY)
+    ref = reference.generate([p], GREEDY)[0]
+    decode.send(Reserve("mid", p, GREEDY))
+    ticket = decode.next("mid")
+    assert isinstance(ticket, TicketReady)
     inside, pushes = [False], []
-    push_layer, on_batch = prefill.sender.push_layer, prefill._on_batch
+    push_layer, on_batch = stage.sender.push_layer, stage._on_batch
 
     def recording_push(rid, layer):
         pushes.append((layer, inside[0]))
@@ -96,7 +120,7 @@ def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(mode
 
         def wrapped(layer):
             if layer == 0:  # the ticket arrives as the pass has begun
-                prefill.attach_ticket("mid", ticket)
+                prefill.send(Attach("mid", ticket.ticket))
             inside[0] = True
             try:
                 if hook is not None:
@@ -105,82 +129,79 @@ def test_a_ticket_that_comes_mid_forward_starts_the_transfer_between_layers(mode
                 inside[0] = False
         return wrapped
 
-    prefill.sender.push_layer, prefill._on_batch = recording_push, late_ticket
-    assert prefill.late_ticket_overlap is False  # the default on CPU, where it costs TTFT
-    prefill.late_ticket_overlap = True  # the default on CUDA
-    assert prefill.prefill("mid", p, GREEDY, None, timeout_s=30).status == "DONE"
-    ids, finish = _collect(decode, "mid")
-    assert ids == ref.token_ids and finish == "length"
-    num_layers = len(prefill.core.kv_caches)
+    stage.sender.push_layer, stage._on_batch = recording_push, late_ticket
+    assert stage.late_ticket_overlap is False  # the default on CPU, where it costs TTFT
+    stage.late_ticket_overlap = True  # the default on CUDA
+    prefill.send(Prefill("mid", p, GREEDY))
+    first = prefill.next("mid")
+    done = prefill.next("mid")
+    assert isinstance(first, FirstToken) and isinstance(done, PrefillDone) and done.ok
+    deltas = decode.stream("mid")
+    assert _ids(first, deltas) == ref.token_ids and deltas[-1].finish_reason == "length"
+    num_layers = len(stage.core.kv_caches)
     assert sorted(layer for layer, _ in pushes) == list(range(num_layers))
     assert all(during for _, during in pushes), pushes  # every layer went from inside the pass
-    assert _wait_free(prefill, decode)
+    assert wait_free(prefill.stage, decode.stage)
 
 
 def test_abort_while_waiting_for_the_ticket_frees_the_prompt(stages):
-    from concurrent.futures import ThreadPoolExecutor
-
     prefill, decode = stages
     p = random_prompts(1, 96, [40], seed=4)[0]
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(prefill.prefill, "gone", p, GREEDY, None)
-        time.sleep(0.3)  # computed, holding its blocks, no ticket
-        assert not prefill.is_fully_free()
-        prefill.abort("gone")
-        result = fut.result(timeout=30)
-    assert result.status == "FAILED" and "abort" in result.error
-    assert _wait_free(prefill, decode)
+    prefill.send(Prefill("gone", p, GREEDY))
+    assert isinstance(prefill.next("gone"), FirstToken)  # computed, holding its blocks, no ticket
+    assert not prefill.stage.is_fully_free()
+    prefill.send(Abort("gone"))
+    done = prefill.next("gone")
+    assert isinstance(done, PrefillDone) and not done.ok and "abort" in done.error
+    assert wait_free(prefill.stage, decode.stage)
 
 
 def test_decode_abort_before_the_kv_lands_frees_the_reservation(stages):
     prefill, decode = stages
     p = random_prompts(1, 96, [30], seed=5)[0]
-    decode.reserve("r", p, GREEDY)
-    assert not decode.is_fully_free()
-    decode.abort("r")
-    ids, finish = _collect(decode, "r")
-    assert finish == "abort" and ids == []
-    assert _wait_free(prefill, decode)
+    decode.send(Reserve("r", p, GREEDY))
+    assert isinstance(decode.next("r"), TicketReady)
+    assert not decode.stage.is_fully_free()
+    decode.send(Abort("r"))
+    deltas = decode.stream("r")
+    assert [d.finish_reason for d in deltas] == [FinishReason.ABORT] and deltas[0].token_ids == []
+    assert wait_free(prefill.stage, decode.stage)
 
 
-def test_prefill_stream_sends_the_first_token_with_its_logprobs_before_the_result(stages):
-    from prefill.stage import FirstToken, PrefillResult
-
+def test_the_first_token_comes_with_its_logprobs_before_any_ticket(stages):
     prefill, decode = stages
     p = random_prompts(1, 96, [30], seed=6)[0]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-    events = prefill.prefill_stream("lp", p, params, None)
-    first = next(events)  # computed before any ticket exists: it does not wait for the transfer
-    assert isinstance(first, FirstToken) and first.logprobs is not None
-    assert len(first.logprobs["top"]) == 2 and first.logprobs["top"][0][0] == first.token_id
-    prefill.attach_ticket("lp", decode.reserve("lp", p, params))
-    result = next(events)
-    assert isinstance(result, PrefillResult) and result.status == "DONE" and result.first_token == first.token_id
-    ids, _ = _collect(decode, "lp")
-    assert ids[0] == first.token_id and len(ids) == 4
-    assert _wait_free(prefill, decode)
+    first, deltas, done = disaggregated(prefill, decode, "lp", p, params, ticket_first=False)
+    (lp,) = first.delta.logprobs  # computed before any ticket existed: it did not wait for the transfer
+    assert len(lp.top) == 2 and lp.top[0][0] == lp.token_id == first.delta.token_ids[0]
+    assert done.ok and len(_ids(first, deltas)) == 4
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas if d.token_ids)
+    assert wait_free(prefill.stage, decode.stage)
 
 
 def test_decode_abort_as_the_kv_lands_frees_the_blocks(stages):
     """The abort reaches the decode loop after the transfer is DONE but before
     the loop polled it: no sequence waits for it, and the blocks are freed."""
-    from concurrent.futures import ThreadPoolExecutor
-
     prefill, decode = stages
+    stage = decode.stage
     p = random_prompts(1, 96, [30], seed=7)[0]
-    ticket = decode.reserve("late", p, GREEDY)
+    decode.send(Reserve("late", p, GREEDY))
+    ticket = decode.next("late")
 
-    def abort_once_landed():  # on the decode loop thread, so no poll() runs in between
+    def abort_once_landed():
+        # on the loop thread, so no poll() runs in between: the Abort posted
+        # here runs right after this, before the loop's next round
         deadline = time.monotonic() + 20
-        while decode.receiver.core.ledger.for_request("late").state.name != "DONE":
+        while stage.receiver.core.ledger.for_request("late").state.name != "DONE":
             assert time.monotonic() < deadline, "the transfer never completed"
             time.sleep(0.001)
-        decode._abort("late")
+        decode.send(Abort("late"))
 
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(prefill.prefill, "late", p, GREEDY, ticket)
-        decode.call(abort_once_landed, timeout=30)
-        assert fut.result(timeout=30).status == "DONE"
-    ids, finish = _collect(decode, "late")
-    assert finish == "abort"
-    assert _wait_free(prefill, decode)
+    prefill.send(Prefill("late", p, GREEDY))
+    prefill.send(Attach("late", ticket.ticket))
+    stage.call(abort_once_landed, timeout=30)
+    done, _ = prefill.until("late", PrefillDone)
+    assert done.ok
+    assert decode.stream("late")[-1].finish_reason == "abort"
+    assert wait_free(prefill.stage, decode.stage)

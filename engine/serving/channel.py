@@ -17,20 +17,9 @@ Handshake, mutual, the secret never crossing the wire: the server sends a
 16-byte nonce; the client answers HMAC-SHA256(secret, "kvrelay-replica" ||
 nonce), its own nonce and its replica id; the server answers
 HMAC-SHA256(secret, "kvrelay-frontend" || client nonce). Only then is
-anything decoded: frames are a 4-byte big-endian length and a pickled tuple
-(the two ends are processes of one deployment that both hold the secret,
-as Ray's own workers are).
-
-Frames, frontend -> replica (`op, request_id, *args`):
-  ("submit", rid, prompt_ids, params)      colocated: the whole request
-  ("prefill", rid, prompt_ids, params)     prefill replica: start the prompt
-  ("reserve", rid, prompt_ids, params)     decode replica: blocks + ticket
-  ("attach", rid, ticket)                  prefill replica: where to push
-  ("fail", rid, error) / ("abort", rid)
-Replica -> frontend (`kind, request_id, payload`):
-  ("ticket", rid, Ticket)   ("first", rid, FirstToken)   ("result", rid, PrefillResult)
-  ("error", rid, message)   a command the replica refused
-  ("deltas", None, [Delta, ...])   one frame for all of one step's outputs
+anything decoded: frames are a 4-byte big-endian length and a pickled
+frame dataclass of `engine.serving.frames` (the two ends are processes of
+one deployment that both hold the secret, as Ray's own workers are).
 
 A connection that breaks ends every request on it: the replica aborts what
 they hold, the frontend ends them with an error and stops placing on the
@@ -48,7 +37,8 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+from engine.serving.frames import Deltas, Lost
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +51,6 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 class ChannelError(ConnectionError):
     """The replica's channel is not connected (it never came up, or broke)."""
-
-
-@dataclass
-class FirstToken:
-    """A request's first output token, as the prefill replica sampled it.
-    ``text`` is what the replica's detokenizer emits for it (text that may
-    start a stop string is held back); ``logprobs`` is set when the request
-    asked for them: ``{"token_logprob": float, "top": [[token_id, logprob], ...]}``."""
-
-    request_id: str
-    token_id: int
-    text: str = ""
-    logprobs: dict | None = None
-    num_cached_tokens: int = 0  # prompt tokens the prefill replica found in its prefix cache
 
 
 def _proof(secret: bytes, role: bytes, nonce: bytes) -> bytes:
@@ -96,9 +72,9 @@ class _Peer:
 
 class ChannelServer:
     """Accepts the replicas' connections; each request opens an inbox that
-    receives ``(kind, payload)`` from the replicas it runs on, and
-    ``("lost", replica_id)`` if one of their channels breaks. Event-loop
-    thread only."""
+    receives the events for it from the replicas it runs on (each delta of
+    a `Deltas` frame on its own, as a `GenerateDelta`), and `Lost` if one of
+    their channels breaks. Event-loop thread only."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise_host: str | None = None,
                  on_lost: Callable[[str], None] | None = None):
@@ -154,12 +130,12 @@ class ChannelServer:
         for p in self._peers.values():
             p.requests.discard(request_id)
 
-    def send(self, replica_id: str, msg: tuple) -> None:
+    def send(self, replica_id: str, msg) -> None:
         """Queue a command for the replica (never blocks). Raises ChannelError if it is not connected."""
         self._peer(replica_id).writer.write(_frame(msg))
 
     def drop(self, replica_id: str) -> None:
-        """Break the replica's channel (it is dead or unwanted): its requests get ``("lost", replica_id)``."""
+        """Break the replica's channel (it is dead or unwanted): its requests get `Lost`."""
         peer = self._peers.get(replica_id)
         if peer is not None:
             self._lost(peer)
@@ -178,7 +154,7 @@ class ChannelServer:
         for rid in peer.requests:
             inbox = self._inboxes.get(rid)
             if inbox is not None:
-                inbox.put_nowait(("lost", peer.replica_id))
+                inbox.put_nowait(Lost(peer.replica_id))
         peer.requests.clear()
         if self.on_lost is not None:
             self.on_lost(peer.replica_id)
@@ -219,16 +195,11 @@ class ChannelServer:
                 if size > MAX_FRAME:
                     log.error("request channel of %s: a frame of %d bytes; dropping the channel", replica_id, size)
                     return
-                kind, rid, payload = pickle.loads(await reader.readexactly(size))
-                if kind == "deltas":
-                    for d in payload:
-                        inbox = self._inboxes.get(d.request_id)
-                        if inbox is not None:
-                            inbox.put_nowait(("delta", d))
-                else:
-                    inbox = self._inboxes.get(rid)
+                frame = pickle.loads(await reader.readexactly(size))
+                for event in frame.deltas if isinstance(frame, Deltas) else (frame,):
+                    inbox = self._inboxes.get(event.request_id)
                     if inbox is not None:
-                        inbox.put_nowait((kind, payload))
+                        inbox.put_nowait(event)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass
         except Exception:
@@ -241,13 +212,13 @@ class ChannelServer:
 
 # ---- a replica's end ---------------------------------------------------------
 class ChannelClient:
-    """A replica's connection to one frontend. ``on_command(client, msg)``
-    runs on this client's reader thread for each command; ``on_lost(client)``
-    once, when the connection ends. ``send`` is thread-safe, never raises
-    and never waits on anything but the socket."""
+    """A replica's connection to one frontend. ``on_command(client, frame)``
+    runs on this client's reader thread for each command frame;
+    ``on_lost(client)`` once, when the connection ends. ``send`` is
+    thread-safe, never raises and never waits on anything but the socket."""
 
     def __init__(self, address: str, secret: bytes, replica_id: str,
-                 on_command: Callable[["ChannelClient", tuple], None],
+                 on_command: Callable[["ChannelClient", object], None],
                  on_lost: Callable[["ChannelClient"], None]):
         self.address = address
         self._lock = threading.Lock()
@@ -273,8 +244,9 @@ class ChannelClient:
         self._reader = threading.Thread(target=self._read_loop, name=f"{replica_id}-channel", daemon=True)
         self._reader.start()
 
-    def send(self, msg: tuple) -> bool:
-        data = _frame(msg)
+    def send(self, frame) -> bool:
+        """Send one frame; False if the channel is closed (the frame is dropped)."""
+        data = _frame(frame)
         with self._lock:
             if self._closed:
                 return False
@@ -315,7 +287,7 @@ class ChannelClient:
                 try:
                     self._on_command(self, msg)
                 except Exception:
-                    log.exception("request channel: command %r failed", msg[:2])
+                    log.exception("request channel: command %s failed", type(msg).__name__)
         except (ConnectionError, OSError, ValueError):
             pass
         except Exception:

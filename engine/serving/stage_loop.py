@@ -1,17 +1,17 @@
 """The machinery every serving stage shares: a loop thread that owns an
-EngineCore, a command queue for calls from other threads, and per-request
-output queues for streaming.
+EngineCore, the request channels to the frontend, and the dispatch of their
+frames to the stage's handlers.
 
 The stages (prefill, decode, colocated) are plain classes built on this; Ray
-hosts them as threaded actors from the launcher, so calls arrive on Ray's
-threads while the engine is only ever touched by the loop thread.
+hosts them as threaded actors from the launcher. Requests reach a replica
+only over its request channel (`engine.serving.channel`): a command frame
+comes in on the channel's reader thread, its handler runs on the loop thread
+(the only thread that touches the engine), and the request's events go back
+on the same channel, one `Deltas` frame per step. Ray calls (load, status,
+profiling) read snapshots or run on the loop thread through ``call``.
 
-Requests reach a served replica over its request channel to the frontend
-(`engine.channel`): commands come in on the channel's reader thread and run
-on the loop thread; a request that came that way has its outputs sent back
-on the same channel (one frame per step), not to a stream queue. The Python
-API below (submit, reserve, prefill, stream) is the same machinery without
-the channel, for tests and in-process use.
+A stage's loop reads as schedule -> execute -> update (``EngineCore.step``),
+with the KV transfer polled, never waited on (``_iterate``).
 """
 from __future__ import annotations
 
@@ -21,47 +21,24 @@ import queue
 import socket
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.output import OutputProcessor, RequestOutput
+from engine.core import EngineCore, StepOutput
+from engine.output import OutputProcessor
 from engine.profiling import ProfileWindow, enable_nvtx
-from engine.channel import ChannelClient
+from engine.sequence import SequenceStatus
+from engine.serving.channel import ChannelClient
+from engine.serving.frames import Abort, Deltas, Fail, Refused
+from engine.serving.types import FinishReason, GenerateDelta, LoadReport
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Delta:
-    """One chunk of a request's stream as it crosses process boundaries."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    logprobs: list[dict] | None = None
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_output(cls, out: RequestOutput) -> "Delta":
-        return cls(out.request_id, out.delta_token_ids, out.delta_text,
-                   out.finish_reason if out.finished else None, out.error, out.delta_logprobs,
-                   out.num_cached_tokens, out.metrics if out.finished else {})
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-_END = object()
+Handler = Callable[[ChannelClient, object], None]
 
 
 def normal_priority() -> None:
@@ -114,7 +91,8 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
 
 
 class StageLoop:
-    """Owns the engine on one thread. Subclasses implement ``_iterate``."""
+    """Owns the engine on one thread. Subclasses add frame handlers
+    (``_handlers``) and implement ``_iterate``."""
 
     idle_wait_s = 0.05  # how long the loop sleeps on the command queue when there is no work
     busy_wait_s = 0.0005  # ... when transfers are in flight but nothing is runnable
@@ -124,14 +102,13 @@ class StageLoop:
         self.core = core
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
+        self._dispatch: dict[type, Handler] = self._handlers()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, queue.SimpleQueue] = {}
-        self._streams_lock = threading.Lock()
         self._channels: list[ChannelClient] = []
         self._routes: dict[str, ChannelClient] = {}  # request id -> the channel it came by (loop thread)
         self._stopped = threading.Event()
         self._fatal: str | None = None
-        self._load: dict = self._snapshot_load()
+        self._load: LoadReport = self._snapshot_load()
         self._profile: ProfileWindow | None = None
         self._is_cuda = str(core.config.device).startswith("cuda")
         if self._is_cuda:
@@ -153,54 +130,24 @@ class StageLoop:
         """Run ``fn(*args)`` on the loop thread, without waiting."""
         self._commands.put((fn, args, None))
 
-    def open_stream(self, request_id: str) -> None:
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already running on {self.replica_id}")
-            self._streams[request_id] = queue.SimpleQueue()
-
-    def stream(self, request_id: str, timeout_s: float = 600.0) -> Iterator[list[Delta]]:
-        """Yield batches of deltas for a request until it finishes."""
-        with self._streams_lock:
-            q = self._streams.get(request_id)
-        if q is None:
-            raise KeyError(f"request {request_id!r} is not on {self.replica_id}")
-        try:
-            while True:
-                try:
-                    item = q.get(timeout=timeout_s)
-                except queue.Empty:
-                    self.post(self._abort, request_id)
-                    yield [Delta(request_id, [], "", "error", f"no output for {timeout_s}s")]
-                    return
-                batch = [item]
-                while True:
-                    try:
-                        batch.append(q.get_nowait())
-                    except queue.Empty:
-                        break
-                deltas = [d for d in batch if d is not _END]
-                if deltas:
-                    yield deltas
-                if any(d is _END or d.finished for d in batch):
-                    return
-        finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        self.post(self._abort, request_id)
-
-    def fail(self, request_id: str, error: str) -> None:
-        """End a request with an error (e.g. its prefill failed elsewhere)."""
-        self.post(self._fail, request_id, error)
-
     def connect_channel(self, address: str, secret: bytes) -> None:
-        """Dial the frontend's request channel at ``address`` (`engine.channel`);
-        both ends prove they hold ``secret``. Raises if it cannot."""
-        self._channels.append(ChannelClient(address, secret, self.replica_id, self._on_channel_command,
-                                            self._on_channel_lost))
+        """Dial the frontend's request channel at ``address``
+        (`engine.serving.channel`); both ends prove they hold ``secret``.
+        Raises if it cannot."""
+        self._channels.append(ChannelClient(address, secret, self.replica_id, self.handle, self._on_channel_lost))
         normal_priority()  # the channel's reader thread, started from one of Ray's
+
+    def handle(self, ch, frame) -> None:
+        """A command frame from ``ch`` (its reader thread): its handler runs on
+        the loop thread; a frame this stage does not take is refused. ``ch``
+        is anything with ``send(frame) -> bool``: a `ChannelClient`, or a test's
+        in-process channel."""
+        handler = self._dispatch.get(type(frame))
+        if handler is None:
+            ch.send(Refused(getattr(frame, "request_id", ""),
+                            f"{self.replica_id} does not take {type(frame).__name__}"))
+            return
+        self.post(handler, ch, frame)
 
     def start_profile(self, out_dir: str, with_stack: bool = False) -> None:
         """Open a profiler window on the loop thread (CPU, plus CUDA on a GPU).
@@ -216,65 +163,95 @@ class StageLoop:
         """This replica's host name (where its trace files are written)."""
         return socket.gethostname()
 
+    def load(self) -> LoadReport:
+        """The latest load snapshot (taken by the loop thread after each round)."""
+        if self._fatal is not None:  # a dead loop takes no more snapshots
+            return LoadReport(self.replica_id, is_alive=False)
+        return self._load
+
+    def is_fully_free(self) -> bool:
+        """Every block back in the pool and no request left here."""
+        return self.call(self._is_fully_free)
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        return self.call(self.core.cached_block_hashes)
+
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put((lambda: None, (), None))
         self._thread.join(timeout=10)
 
-    # ---- loop thread ---------------------------------------------------------
-    def _channel_for(self, delta: Delta) -> ChannelClient | None:
-        """The channel ``delta``'s request came by (None: a stream queue's); its last delta ends the route."""
+    def close(self) -> None:
+        self.stop()
+
+    # ---- frame handlers (loop thread) ------------------------------------------
+    def _handlers(self) -> dict[type, Handler]:
+        """Command frame type -> its handler ``(channel, frame)``; stages add theirs."""
+        return {Abort: lambda ch, f: self._abort(f.request_id),
+                Fail: lambda ch, f: self._fail(f.request_id, f.error)}
+
+    def _route(self, ch, request_id: str) -> bool:
+        """Send ``request_id``'s outputs by ``ch``; False (and the caller told) if it is already running."""
+        if request_id in self._routes:
+            ch.send(Refused(request_id, f"request_id: {request_id!r} is already running on {self.replica_id}"))
+            return False
+        self._routes[request_id] = ch
+        return True
+
+    def _refuse(self, ch, request_id: str, error: Exception | str) -> None:
+        """Tell the caller a command for ``request_id`` failed; it holds nothing here."""
+        self._routes.pop(request_id, None)
+        ch.send(Refused(request_id, str(error)))
+
+    # ---- outputs (loop thread) ---------------------------------------------
+    def emit(self, delta: GenerateDelta) -> None:
+        """One delta to the channel its request came by; its last ends the route."""
         ch = self._routes.get(delta.request_id)
-        if ch is not None and delta.finished:
-            del self._routes[delta.request_id]
-        return ch
-
-    def emit(self, delta: Delta) -> None:
-        ch = self._channel_for(delta)
-        if ch is not None:
-            ch.send(("deltas", None, [delta]))
+        if ch is None:
             return
-        with self._streams_lock:
-            q = self._streams.get(delta.request_id)
-        if q is not None:
-            q.put(delta)
+        if delta.is_finished:
+            del self._routes[delta.request_id]
+        ch.send(Deltas([delta]))
 
-    def emit_outputs(self, step_outputs) -> None:
-        """A step's outputs: one frame per channel, the rest to their stream queues."""
-        from engine.sequence import SequenceStatus
-
-        frames: dict[ChannelClient, list[Delta]] = {}
+    def emit_outputs(self, step_outputs: Iterable[StepOutput]) -> None:
+        """A step's outputs as deltas: one frame per channel."""
+        frames: dict[ChannelClient, list[GenerateDelta]] = {}
         for out in step_outputs:
-            ro, stopped = self.outputs.process(out.seq, out.new_token_ids)
+            delta, stopped = self.outputs.process(out.seq, out.new_token_ids)
             if stopped:
                 self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)
-                ro.metrics = out.seq.metrics.as_dict()
-            delta = Delta.from_output(ro)
-            ch = self._channel_for(delta)
+                delta.timings = out.seq.metrics.timings()
+            rid = out.seq.request_id
+            ch = self._routes.get(rid)
             if ch is None:
-                self.emit(delta)
-            else:
-                frames.setdefault(ch, []).append(delta)
+                continue
+            if delta.is_finished:
+                del self._routes[rid]
+            frames.setdefault(ch, []).append(delta)
         for ch, deltas in frames.items():
-            ch.send(("deltas", None, deltas))
+            ch.send(Deltas(deltas))
 
     def fail_request(self, request_id: str, error: str) -> None:
         self.outputs.discard(request_id)
-        self.emit(Delta(request_id, [], "", "error", error))
+        self.emit(GenerateDelta(request_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _release(self, request_id: str) -> None:
-        """Free everything the request holds here, without a word to its stream."""
+        """Free everything the request holds here, without a word to its channel."""
         self.core.abort(request_id)
         self.outputs.discard(request_id)
 
     def _abort(self, request_id: str) -> None:
         self._release(request_id)
-        self.emit(Delta(request_id, [], "", "abort"))
+        self.emit(GenerateDelta(request_id, finish_reason=FinishReason.ABORT))
 
     def _fail(self, request_id: str, error: str) -> None:
         self._release(request_id)
         self.fail_request(request_id, error)
 
+    def _is_fully_free(self) -> bool:
+        return self.core.is_idle()
+
+    # ---- the loop --------------------------------------------------------------
     def _start_profile(self, out_dir: str, with_stack: bool) -> None:
         if self._profile is not None:
             raise RuntimeError(f"{self.replica_id}: a profile is already running")
@@ -298,10 +275,8 @@ class StageLoop:
         except Exception as e:  # the loop must not die silently: fail every request
             self._fatal = f"{type(e).__name__}: {e}"
             log.error("%s: stage loop died\n%s", self.replica_id, traceback.format_exc())
-            with self._streams_lock:
-                ids = list(self._streams)
-            for rid in ids:
-                self.emit(Delta(rid, [], "", "error", f"{self.replica_id} failed: {self._fatal}"))
+            for rid in list(self._routes):
+                self.fail_request(rid, f"{self.replica_id} failed: {self._fatal}")
         finally:
             if self._profile is not None:
                 try:
@@ -333,44 +308,16 @@ class StageLoop:
             except queue.Empty:
                 return
 
-    # ---- the request channel (reader thread, then loop thread) ----------------
-    def _channel_ops(self) -> dict[str, Callable]:
-        """Channel command -> loop-thread handler ``(channel, request_id, *args)``."""
-        return {"abort": lambda ch, rid: self._abort(rid), "fail": lambda ch, rid, error: self._fail(rid, error)}
-
-    def _on_channel_command(self, ch: ChannelClient, msg: tuple) -> None:
-        op, rid, *args = msg
-        handler = self._channel_ops().get(op)
-        if handler is None:
-            ch.send(("error", rid, f"{self.replica_id} does not take {op!r}"))
-            return
-        self.post(handler, ch, rid, *args)
-
     def _on_channel_lost(self, ch: ChannelClient) -> None:
         self.post(self._drop_channel, ch)
 
-    def _drop_channel(self, ch: ChannelClient) -> None:
+    def _drop_channel(self, ch) -> None:
         """Nobody is listening for the requests that came by ``ch``: abort them."""
         if ch in self._channels:
             self._channels.remove(ch)
         for rid in [r for r, c in self._routes.items() if c is ch]:
             del self._routes[rid]
             self._abort(rid)
-
-    def _route(self, ch: ChannelClient, request_id: str) -> bool:
-        """Send ``request_id``'s outputs by ``ch``; False (and the caller told) if it is already running."""
-        with self._streams_lock:
-            taken = request_id in self._streams
-        if taken or request_id in self._routes:
-            ch.send(("error", request_id, f"request_id: {request_id!r} is already running on {self.replica_id}"))
-            return False
-        self._routes[request_id] = ch
-        return True
-
-    def _refuse(self, ch: ChannelClient, request_id: str, error: Exception | str) -> None:
-        """Tell the caller a command for ``request_id`` failed; it holds nothing here."""
-        self._routes.pop(request_id, None)
-        ch.send(("error", request_id, str(error)))
 
     def _iterate(self) -> bool:
         """One round of the stage's own work; True if there may be more right away."""
@@ -382,19 +329,5 @@ class StageLoop:
     def _on_stop(self) -> None:
         pass
 
-    # ---- shared status ---------------------------------------------------------
-    def _snapshot_load(self) -> dict:
-        load = self.core.load()
-        load["replica_id"] = self.replica_id
-        load["is_alive"] = self._fatal is None
-        return load
-
-    def load(self) -> dict:
-        """The latest load snapshot (taken by the loop thread after each round)."""
-        return dict(self._load, is_alive=self._fatal is None)  # a dead loop takes no more snapshots
-
-    def is_fully_free(self) -> bool:
-        return self.call(lambda: self.core.pool.is_fully_free() and not self.core.has_unfinished())
-
-    def cached_block_hashes(self) -> frozenset[int]:
-        return frozenset(self.call(self.core.pool.cached_hashes))
+    def _snapshot_load(self) -> LoadReport:
+        return self.core.load(self.replica_id)

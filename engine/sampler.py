@@ -1,0 +1,91 @@
+"""The batched sampler: greedy, temperature, top-k/top-p/min-p, logprobs.
+
+A seeded request's random stream is a function of (seed, position): the
+draw for output token i comes from a generator seeded by ``(seed, i)``, not
+from how many draws some replica made before. So a request gives the same
+tokens whatever shares its batch, after a preemption, and when its first
+token is sampled on a prefill replica and the rest on a decode replica.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """The generator seed for the draw at output position ``position`` of a
+    request seeded with ``seed`` (splitmix64 of the pair, so nearby seeds and
+    positions give unrelated streams)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    # logits: [V] float32 (already temperature-scaled); excluded entries set to -inf
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (always keeps the top token)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row. Greedy rows are an argmax; seeded random
+    rows draw from a generator seeded by (seed, position), the others from
+    the sampler's own."""
+
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+        # random draws happen on the CPU (per-request generators live there),
+        # so a seed gives the same tokens on any device
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: list[SamplingParams],
+        positions: list[int],  # each row's output position (tokens the request has produced so far)
+    ) -> tuple[list[int], list[dict | None]]:
+        tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if want_logprobs or not all(p.is_greedy for p in params):
+            logits = logits.cpu()
+        logprobs_all = logits.log_softmax(-1) if want_logprobs else None
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                continue
+            row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = row.softmax(-1)
+            g = self.generator
+            if p.seed is not None:
+                g = torch.Generator()
+                g.manual_seed(stream_seed(p.seed, positions[i]))
+            # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
+            e = torch.empty_like(probs).exponential_(generator=g)
+            tokens[i] = int((probs / e).argmax())
+        infos: list[dict | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                infos.append(None)
+                continue
+            lp = logprobs_all[i]
+            info = {"token_logprob": float(lp[tokens[i]]), "top": []}
+            if p.logprobs:
+                vals, idx = lp.topk(p.logprobs)
+                info["top"] = list(zip(idx.tolist(), vals.tolist()))
+            infos.append(info)
+        return tokens, infos
