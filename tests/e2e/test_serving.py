@@ -118,17 +118,28 @@ def test_bad_input_is_invalid_argument_and_harms_nothing(cluster, kwargs, field)
 
 
 def test_least_loaded_sends_new_work_to_the_idle_decode_replica(cluster):
-    """Skew the load: decode-0 gets long requests from elsewhere (straight to
-    the replica, as a second frontend would); new requests go to decode-1."""
+    """Skew the load: decode-0 gets long requests from a second frontend (its
+    own request channel to the replica); new requests go to decode-1."""
+    import ray
+
     from engine.sampling import SamplingParams
+    from engine.serving.channel import ChannelServer
+    from engine.serving.frames import Abort, Submit
 
     busy = cluster.actor("decode-0")
     tok = cluster.cluster.backend.tokenizer
     ids = tok.encode("Write an essay about the sea.")
-    import ray
-    for i in range(4):
-        ray.get(busy.submit.remote(f"skew-{i}", ids, SamplingParams(max_tokens=400, temperature=0,
-                                                                     ignore_eos=True)))
+    second = ChannelServer(b"another frontend's secret".ljust(32))
+    cluster.run(second.start())
+    ray.get(busy.connect_channel.remote(second.address, second.secret))
+    cluster.run(second.wait_connected(["decode-0"], 10))
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def skew():
+        for i in range(4):
+            second.open(f"skew-{i}", ["decode-0"])
+            second.send("decode-0", Submit(f"skew-{i}", ids, long))
+    cluster.run(skew())
     time.sleep(0.5)  # load reports
     probes = [cluster.client.stream("Say hi.", max_tokens=60, temperature=0, ignore_eos=True) for _ in range(3)]
     for p in probes:
@@ -137,8 +148,13 @@ def test_least_loaded_sends_new_work_to_the_idle_decode_replica(cluster):
     assert st["decode-1"].num_in_flight == 3 and st["decode-0"].num_in_flight == 0, st
     for p in probes:
         p.close()
-    for i in range(4):
-        ray.get(busy.abort.remote(f"skew-{i}"))
+
+    async def unskew():
+        for i in range(4):
+            second.send("decode-0", Abort(f"skew-{i}"))
+            second.close(f"skew-{i}")
+        await second.stop()
+    cluster.run(unskew())
     _replicas_free(cluster)
 
 
