@@ -1,6 +1,6 @@
 """What a frontend needs from the cluster: the `Backend` protocol.
 
-The gRPC frontend (`cluster.frontend`) and the OpenAI HTTP frontend speak to
+The gRPC frontend (`cluster.grpc_frontend`) and the OpenAI HTTP frontend speak to
 a `Backend`; the launcher provides the real one (router + stage replicas),
 tests provide small fakes. Frontends validate and tokenize; the backend
 places, runs, detokenizes and applies stop strings.

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass
 
 from cluster.backend import Backend
-from cluster.frontend import GrpcFrontend
+from cluster.grpc_frontend import GrpcFrontend
 from cluster.http_frontend import HttpFrontend
 from cluster.metrics import ServingMetrics
 from cluster.spec import FrontendConfig
