@@ -3,9 +3,8 @@
 A decode step streams every weight from memory once. With 4 KiB pages the
 CPU's hardware prefetchers stop at every page boundary and each page costs a
 TLB miss; with 2 MiB pages a weight matrix is a few pages and the prefetchers
-run through it. On the 2-core development machine this took single-stream
-decode of SmolLM2-135M from ~66-75 to ~75-90 tokens/s in side-by-side runs
-(BENCHMARKS.md). Most Linux machines ship with transparent huge pages in
+run through it (measured: BENCHMARKS.md, "Measured design choices"). Most
+Linux machines ship with transparent huge pages in
 `madvise` mode, so the memory has to ask for them: `pack` copies tensors into
 one 2 MiB-aligned arena that is advised MADV_HUGEPAGE before it is touched.
 """

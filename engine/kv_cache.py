@@ -69,7 +69,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: str | torch.de
     in huge pages where available: attention streams them like weights).
 
     A CPU cache is fresh anonymous memory: only pages written are backed, and
-    the first write of each page faults (~1.5 ms per MB on a VM). ``prefault``
+    the first write of each page faults (BENCHMARKS.md, "Measured design
+    choices", has the cost). ``prefault``
     writes every page now, so that a cache the machine cannot hold fails here
     rather than under load, and no request pays those faults.
     """

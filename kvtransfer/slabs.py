@@ -2,9 +2,8 @@
 
 torch spreads a multi-MB CPU copy over its intra-op (OpenMP) threads. When
 the cores are busy (the transfer's own I/O threads, the engine, other
-processes) the parallel region waits for a thread that is not scheduled: on
-the 2-vCPU bench machine one 3 MB ``copy_`` took ~6 ms with 2 intra-op
-threads and 0.08 ms with 1. A memory copy is bound by bandwidth, not by
+processes) the parallel region waits for a thread that is not scheduled
+(BENCHMARKS.md, "Measured design choices"). A memory copy is bound by bandwidth, not by
 cores, so CPU copies here are single numpy calls (one thread, GIL released);
 copies that involve a GPU stay with torch.
 """

@@ -61,12 +61,10 @@ class PrefillStage(StageLoop):
 
         ``late_ticket_overlap``: whether a ticket that comes while the
         prompt's forward pass runs starts the transfer between layers (True)
-        or after the pass (False). None: on CUDA only. On a CPU replica the
-        transfer's copies and sends compete with the forward pass for the
-        same cores and the GIL: on 2 vCPUs, one served request (~40 prompt
-        tokens, runs alternating off and on) had a TTFT of 75-80 ms off and
-        101 ms on, for 3.0-4.9 instead of 4.5-8.3 ms of transfer after the
-        pass; and the first token does not wait for the transfer anyway.
+        or after the pass (False). None: on CUDA only, since on a CPU replica
+        the transfer's copies and sends compete with the forward pass for the
+        same cores and the GIL, and the first token does not wait for the
+        transfer anyway (BENCHMARKS.md, "Measured design choices").
         """
         from kvtransfer.sender import KVSender
 

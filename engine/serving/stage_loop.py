@@ -47,8 +47,8 @@ def normal_priority() -> None:
     Ray starts its worker processes at niceness 15 (its ``worker_niceness``),
     below every driver and system process. A replica is the workload: at 15,
     whatever else wakes on its host (the frontend forwarding a token, a
-    client, Ray's own daemons) takes its core, and in measurements on a
-    2-CPU host each decode step came out 2-3 ms slower. Threads created
+    client, Ray's own daemons) takes its core, and every decode step is
+    slower for it (BENCHMARKS.md, "Measured design choices"). Threads created
     later inherit the value of the thread that creates them, so this runs
     again after a stage starts threads from Ray's.
     """

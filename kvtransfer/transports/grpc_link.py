@@ -9,8 +9,7 @@ grpcio adds is one copy on the sending side (bytes into its slice) and its
 reassembly of the received slices into the bytes handed to the handler.
 A stream per connection (opened on demand, closed when idle) rather than a
 unary call per chunk: no call setup, metadata or handler dispatch per chunk
-(grpcio alone on the 2-vCPU bench machine, 94 MB in 3 MB messages: 68 ms
-unary, 55 ms streamed; BENCHMARKS.md has the transport side by side).
+(BENCHMARKS.md, "Measured design choices").
 """
 from __future__ import annotations
 

@@ -5,9 +5,8 @@ slices, and the Python bytes handed to the deserializer); the sender joins
 each chunk into a new bytes object. By default glibc serves such allocations
 with mmap and returns them with munmap on free, so every multi-MB chunk pays
 its page faults and page zeroing again, on both sides. Raising the mmap and
-trim thresholds lets glibc reuse that memory; on the 2-vCPU bench machine
-this cut the receiver's CPU time per 94 MB grpc transfer from ~120 ms to
-~70 ms (see BENCHMARKS.md, "KV transfer").
+trim thresholds lets glibc reuse that memory (BENCHMARKS.md, "Measured
+design choices").
 
 The setting is process-wide and only affects allocations up to
 ``MMAP_THRESHOLD_BYTES``; the process may keep up to ``TRIM_THRESHOLD_BYTES``
