@@ -65,12 +65,13 @@ class DecodeStage(StageLoop):
         if not self._route(ch, frame.request_id):
             return
         try:
-            seq = Sequence(frame.request_id, list(frame.prompt_token_ids), frame.params)
+            seq = Sequence(frame.request_id, list(frame.prompt_token_ids), frame.params,
+                           output_token_ids=list(frame.output_token_ids))
             self.core.add(seq)
         except Exception as e:
             self._refuse(ch, frame.request_id, e)
             return
-        self.outputs.add(seq)
+        self.outputs.add(seq, frame.output_token_ids)
 
     def _on_reserve(self, ch, frame: Reserve) -> None:
         rid = frame.request_id
@@ -79,12 +80,14 @@ class DecodeStage(StageLoop):
         try:
             if self.receiver is None:
                 raise RuntimeError(f"{self.replica_id} is colocated: it takes Submit, not Reserve")
-            self.core.check_prompt(frame.prompt_token_ids, frame.params.max_tokens)
-            ticket = self.receiver.reserve(rid, len(frame.prompt_token_ids), self.lease_s)
+            seq = Sequence(rid, list(frame.prompt_token_ids), frame.params,
+                           output_token_ids=list(frame.output_token_ids))
+            self.core.check_prompt(seq.token_ids, frame.params.max_tokens - seq.num_output_tokens)
+            ticket = self.receiver.reserve(rid, seq.num_tokens, self.lease_s)  # the KV of every token so far
         except Exception as e:
             self._refuse(ch, rid, e)
             return
-        self._incoming[rid] = Sequence(rid, list(frame.prompt_token_ids), frame.params)
+        self._incoming[rid] = seq
         ch.send(TicketReady(rid, ticket))
 
     def _release(self, request_id: str) -> None:
@@ -117,7 +120,7 @@ class DecodeStage(StageLoop):
         ended the request (then the last delta: the finish reason, and any
         text the detokenizer held back)."""
         finished = self.core.admit_prefilled(seq, block_ids, first_token)
-        self.outputs.add(seq, [first_token])
+        self.outputs.add(seq, seq.output_token_ids)
         if finished or self.outputs.is_stopped(seq.request_id):
             self.emit_outputs([StepOutput(seq, [])])
 

@@ -90,21 +90,22 @@ class EngineCore:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already running")
-        self.check_prompt(seq.prompt_token_ids, 1 if seq.prefill_only else seq.params.max_tokens)
+        # a resumed sequence computes its output so far with the prompt
+        self.check_prompt(seq.token_ids, 1 if seq.prefill_only else seq.params.max_tokens - seq.num_output_tokens)
         if not seq.eos_token_ids:
             seq.eos_token_ids = self.eos_token_ids
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def admit_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
-        """Admit a sequence whose prompt KV another replica computed into
-        ``block_ids`` (taken from this pool), with the first token it sampled
-        there, already sent to the client: the sequence runs from its second
-        token on. Returns whether the first token already ended it (stop
+        """Admit a sequence whose prompt KV (and that of any output it resumes
+        after) another replica computed into ``block_ids`` (taken from this
+        pool), with the token it sampled there, already sent to the client:
+        the sequence runs from the token after it. Returns whether the first token already ended it (stop
         token, EOS, max_tokens); then its blocks are freed and it never runs."""
         seq.block_ids = list(block_ids)
+        seq.num_computed_tokens = seq.num_tokens  # the prompt and any output it resumed after
         seq.output_token_ids.append(first_token)
-        seq.num_computed_tokens = seq.num_prompt_tokens
         seq.metrics.first_token_time = seq.metrics.kv_ready_time = time.monotonic()
         if not seq.eos_token_ids:
             seq.eos_token_ids = self.eos_token_ids

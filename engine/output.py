@@ -42,9 +42,11 @@ class OutputProcessor:
 
     def add(self, seq: Sequence, emitted_token_ids: list[int] = ()) -> str:
         """Start detokenizing ``seq``'s output. ``emitted_token_ids``: output
-        tokens another replica already sent the client (a prefilled
-        sequence's first token): the detokenizer reads them as they were
-        read there, holding back the same text; returns that text."""
+        tokens the client already has from elsewhere (a prefilled sequence's
+        first token; a resumed request's tokens so far). The detokenizer reads
+        them one at a time, as every replica steps it, so it holds back the
+        same text the replica that sent them did; returns the text the last
+        of them added."""
         from engine.tokenizer import IncrementalDetokenizer
 
         if self.tokenizer is None:
@@ -52,7 +54,10 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                        skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
         self._detok[seq.request_id] = detok
-        return detok.step(emitted_token_ids) if emitted_token_ids else ""
+        text = ""
+        for t in emitted_token_ids:
+            text = detok.step([t])
+        return text
 
     def is_stopped(self, request_id: str) -> bool:
         """Whether a stop string has ended the request's text."""

@@ -48,6 +48,7 @@ from engine.serving.types import GenerateDelta, LoadReport, TokenLogprob
 class _Job:
     seq: Sequence
     ch: object  # the channel the request came by: its FirstToken and PrefillDone go there
+    num_kv_tokens: int  # the tokens whose KV goes to the decode replica: the prompt and any output resumed after
     next_renew: float
     ticket: object | None = None
     sending: bool = False
@@ -106,12 +107,13 @@ class PrefillStage(StageLoop):
         try:
             if rid in self._jobs:
                 raise ValueError(f"request_id: {rid!r} is already running on {self.replica_id}")
-            seq = Sequence(rid, list(frame.prompt_token_ids), frame.params, prefill_only=True)
+            seq = Sequence(rid, list(frame.prompt_token_ids), frame.params, prefill_only=True,
+                           output_token_ids=list(frame.output_token_ids))
             self.core.add(seq)
         except Exception as e:
             self._refuse(ch, rid, e)
             return
-        self._jobs[rid] = _Job(seq, ch, time.monotonic() + self.lease_s / 3)
+        self._jobs[rid] = _Job(seq, ch, seq.num_tokens, time.monotonic() + self.lease_s / 3)
 
     def _on_attach(self, ch, frame: Attach) -> None:
         if frame.request_id in self._jobs:  # else it ended already (its Prefill came first, on this channel)
@@ -138,7 +140,7 @@ class PrefillStage(StageLoop):
         seq = job.seq
         with phase(KV_TRANSFER_START):
             self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
-                              seq.num_prompt_tokens)
+                              job.num_kv_tokens)
         job.sending = True
 
     def _abort(self, request_id: str) -> None:
@@ -221,8 +223,8 @@ class PrefillStage(StageLoop):
     def _first_token(self, seq: Sequence, token_id: int) -> FirstToken:
         """The text is what the decode replica's detokenizer, primed with this
         token, will also have emitted (`OutputProcessor.add`)."""
-        text = OutputProcessor(self.tokenizer).add(seq, [token_id])
-        info = seq.output_logprobs[0] if seq.output_logprobs else None
+        text = OutputProcessor(self.tokenizer).add(seq, seq.output_token_ids)
+        info = seq.output_logprobs[-1] if seq.output_logprobs else None
         return FirstToken(GenerateDelta(seq.request_id, [token_id], text,
                                         logprobs=[TokenLogprob.from_sampler(token_id, info)] if info else None,
                                         num_cached_tokens=seq.num_prefix_hit_tokens))

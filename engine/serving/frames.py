@@ -19,6 +19,11 @@ Replica -> frontend (events):
 and, from the frontend's channel server to a request it is running,
 ``Lost(replica_id)`` when one of its replicas' channels breaks.
 
+A request that resumes elsewhere (its replica died mid-stream) carries the
+output tokens its client already has: the replica computes them with the
+prompt and goes on after them, with max_tokens, stop strings and seeded
+draws (a function of the position) exactly as if it had produced them.
+
 A request's tokens take one path: the first from the prefill replica (in
 `FirstToken`), every later one from the decode replica (in `Deltas`); the
 decode replica admits the prefilled sequence with its first token already
@@ -27,7 +32,7 @@ ticket is the transfer service's and opaque here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling import SamplingParams
 from engine.serving.types import GenerateDelta, StageTimings
@@ -39,6 +44,7 @@ class Submit:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Prefill:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Reserve:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
 
 
 @dataclass(frozen=True)

@@ -66,20 +66,22 @@ class Driver:
 
 
 def disaggregated(prefill: Driver, decode: Driver, request_id: str, prompt: list[int], params,
-                  ticket_first: bool = True):
-    """A request as the frontend runs it: returns (first token event, the
-    decode replica's deltas, the prefill replica's PrefillDone)."""
+                  ticket_first: bool = True, output_token_ids: list[int] = ()):
+    """A request as the frontend runs it (resumed after ``output_token_ids``):
+    returns (first token event, the decode replica's deltas, the prefill
+    replica's PrefillDone)."""
+    out = list(output_token_ids)
     if ticket_first:
-        decode.send(Reserve(request_id, prompt, params))
+        decode.send(Reserve(request_id, prompt, params, out))
         ticket = decode.next(request_id)
         assert isinstance(ticket, TicketReady), ticket
-        prefill.send(Prefill(request_id, prompt, params))
+        prefill.send(Prefill(request_id, prompt, params, out))
         prefill.send(Attach(request_id, ticket.ticket))
         first = prefill.next(request_id)
     else:  # the prompt is computed before the ticket exists
-        prefill.send(Prefill(request_id, prompt, params))
+        prefill.send(Prefill(request_id, prompt, params, out))
         first = prefill.next(request_id)
-        decode.send(Reserve(request_id, prompt, params))
+        decode.send(Reserve(request_id, prompt, params, out))
         ticket = decode.next(request_id)
         assert isinstance(ticket, TicketReady), ticket
         prefill.send(Attach(request_id, ticket.ticket))

@@ -205,3 +205,49 @@ def test_decode_abort_as_the_kv_lands_frees_the_blocks(stages):
     assert done.ok
     assert decode.stream("late")[-1].finish_reason == "abort"
     assert wait_free(prefill.stage, decode.stage)
+
+
+def _streamed_text(model_dir, prompt, params, token_ids) -> list[str]:
+    """The text each token added, as a replica streams them (one step per token)."""
+    from engine.output import OutputProcessor
+    from engine.sequence import Sequence
+    from engine.tokenizer import Tokenizer
+
+    proc, seq = OutputProcessor(Tokenizer.from_folder(model_dir)), Sequence("t", prompt, params)
+    proc.add(seq)
+    texts = []
+    for t in token_ids:
+        seq.output_token_ids.append(t)
+        texts.append(proc.process(seq, [t])[0].text)
+    return texts
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=1.0, seed=11, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_request_resumed_after_some_of_its_tokens_goes_on_as_if_uninterrupted(model_dir, reference, stages,
+                                                                                 params):
+    """What a migrated request is: its tokens so far ride along, are computed
+    with the prompt, and the new replicas go on after them, token for token
+    and character for character (seeded draws too: they are a function of
+    the position), disaggregated and colocated."""
+    from engine.serving.frames import Submit
+
+    prefill, decode = stages
+    p = random_prompts(1, 96, [23], seed=12)[0]
+    want = reference.generate([p], params)[0]
+    texts = _streamed_text(model_dir, p, params, want.token_ids)
+    assert "".join(texts) == want.text
+    for k in (1, 6):
+        sent = want.token_ids[:k]
+        first, deltas, done = disaggregated(prefill, decode, f"resume-{k}", p, params, True, output_token_ids=sent)
+        assert done.ok
+        assert sent + _ids(first, deltas) == want.token_ids, k
+        assert "".join(texts[:k]) + first.delta.text + "".join(d.text for d in deltas) == want.text, k
+    colocated = Driver(decode.stage)
+    colocated.send(Submit("resume-colocated", p, params, want.token_ids[:4]))
+    deltas = colocated.stream("resume-colocated")
+    assert want.token_ids[:4] + [t for d in deltas for t in d.token_ids] == want.token_ids
+    assert "".join(texts[:4]) + "".join(d.text for d in deltas) == want.text
+    assert wait_free(prefill.stage, decode.stage)
