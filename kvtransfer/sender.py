@@ -25,8 +25,8 @@ import torch
 
 from kvtransfer import auth, transports
 from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
-from kvtransfer.receiver import Ack, byte_views
-from kvtransfer.types import HandshakeError, State, Ticket, TransferError, TransferResult
+from kvtransfer.slabs import byte_views
+from kvtransfer.types import Ack, HandshakeError, State, Ticket, TransferError, TransferResult
 
 
 @dataclass(eq=False)

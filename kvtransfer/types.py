@@ -26,6 +26,16 @@ class State(enum.IntEnum):
         return self >= State.DONE
 
 
+@dataclass(frozen=True)
+class Ack:
+    """A receiver's answer to one chunk or control call. ``dropped``: the transfer is unknown, finished,
+    aborted or expired, and the chunk touched no block."""
+
+    ok: bool
+    dropped: bool = False
+    error: str = ""
+
+
 @dataclass
 class Ticket:
     """What the decode side hands the prefill side: where to put one request's KV.

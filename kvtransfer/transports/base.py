@@ -9,7 +9,7 @@ import torch
 
 from kvtransfer import slabs
 from kvtransfer.planner import ChunkPlan, contiguous_runs
-from kvtransfer.receiver import Ack
+from kvtransfer.types import Ack
 
 
 class Link(ABC):
@@ -28,7 +28,7 @@ class Link(ABC):
                    checksum: bool) -> Future:
         """Send the slabs of ``chunk`` (its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]``).
 
-        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``receiver.byte_views``).
+        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``slabs.byte_views``).
         """
 
     @abstractmethod

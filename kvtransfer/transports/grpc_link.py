@@ -27,11 +27,10 @@ import torch
 
 from kvtransfer import auth
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack
 from kvtransfer.transports import heap
 from kvtransfer.transports.base import Link, chunk_ids, done, gather, pieces
 from kvtransfer.transports.service import SESSION_KEY, grpc_options
-from kvtransfer.types import HandshakeError, TransferError
+from kvtransfer.types import Ack, HandshakeError, TransferError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 

@@ -14,9 +14,9 @@ import torch
 
 from kvtransfer import auth
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack, ReceiverCore
+from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.transports.base import Link, chunk_ids, crc32_of, done, gather
-from kvtransfer.types import HandshakeError, TransferError
+from kvtransfer.types import Ack, HandshakeError, TransferError
 
 _lock = threading.Lock()
 _receivers: dict[str, weakref.ref] = {}

@@ -18,11 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack
 from kvtransfer.transports import pairing
 from kvtransfer.transports.base import chunk_ids, crc32_of, done, gather
 from kvtransfer.transports.grpc_link import GrpcControl
-from kvtransfer.types import TransferError
+from kvtransfer.types import Ack, TransferError
 from protos import kvtransfer_pb2 as pb
 
 

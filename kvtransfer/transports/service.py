@@ -9,9 +9,9 @@ from concurrent import futures
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvtransfer.receiver import Ack, ReceiverCore
+from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.transports import heap, pairing
-from kvtransfer.types import HandshakeError
+from kvtransfer.types import Ack, HandshakeError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 

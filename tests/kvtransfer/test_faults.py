@@ -14,7 +14,7 @@ from engine.block_pool import BlockPool, NoFreeBlocksError
 from engine.kv_cache import allocate_kv_cache
 from kvtransfer import HandshakeError, KVReceiver, KVSender, transports
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import byte_views
+from kvtransfer.slabs import byte_views
 from kvtransfer.types import State
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
