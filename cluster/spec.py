@@ -18,7 +18,7 @@ Example (every field has a default, so ``{}`` is a valid spec)::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.router import RouterConfig
 from cluster.types import Stage
 from engine.config import EngineConfig
+from kvtransfer.config import ReceiverConfig, SenderConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -136,6 +137,13 @@ class TransferOptions(_Strict):
 class TransferSpec(_Strict):
     backend: Literal["nccl", "grpc", "local"] = "grpc"
     options: TransferOptions = Field(default_factory=TransferOptions)
+
+    def transfer_config(self, secret: str | None) -> "TransferConfig":
+        """The senders' and receivers' configs (``secret`` None: the launcher fills it in)."""
+        o = self.options
+        sender = SenderConfig(secret, lease_s=o.lease_s, deadline_s=o.deadline_s, checksum=o.checksum)
+        receiver = ReceiverConfig(secret, self.backend, lease_s=o.lease_s)
+        return TransferConfig(sender, receiver)
 
 
 class RouterSpec(_Strict):
@@ -363,11 +371,17 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str
-    lease_s: float
-    deadline_s: float
-    checksum: bool
-    cluster_secret: str | None  # None: the launcher makes one
+    """The config of every prefill replica's KV sender and every decode replica's KV receiver.
+
+    Their secret is None when the spec names no source of it: the launcher then
+    makes one per deployment and fills it in (``with_secret``).
+    """
+
+    sender: SenderConfig
+    receiver: ReceiverConfig
+
+    def with_secret(self, secret: str) -> "TransferConfig":
+        return TransferConfig(replace(self.sender, secret=secret), replace(self.receiver, secret=secret))
 
 
 @dataclass(frozen=True)
@@ -421,9 +435,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         max_inflight_per_replica=capacity, block_size=next(iter(spec.stages().values())).block_size,
         seed=r.seed,
     )
-    t = spec.transfer
-    transfer = TransferConfig(t.backend, t.options.lease_s, t.options.deadline_s, t.options.checksum,
-                              spec.auth.resolve_cluster_secret())
+    transfer = spec.transfer.transfer_config(spec.auth.resolve_cluster_secret())
     f = spec.frontend
     frontend = FrontendConfig(
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,

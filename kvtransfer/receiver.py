@@ -23,47 +23,47 @@ import uuid
 import torch
 
 from engine.block_pool import BlockPool, NoFreeBlocksError  # noqa: F401  (re-exported)
+from kvtransfer.config import ReceiverConfig
 from kvtransfer.ledger import Inbound
 from kvtransfer.planner import Coverage, blocks_for_tokens
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.types import Ticket, TransferResult
 
-TRANSPORTS = ("grpc", "nccl", "local")
-
 
 class KVReceiver:
-    """Decode-side endpoint of the transfer service. See the module docstring for threading.
+    """Decode-side endpoint of the transfer service, configured by one ReceiverConfig (its service gets it
+    whole). See the module docstring for threading.
 
-    max_workers: the service's handler threads (made as needed). A sending grpc link holds one per
+    ``config.max_workers``: the service's handler threads (made as needed). A sending grpc link holds one per
     open Push stream (its ``num_channels`` while it sends, none after ``stream_idle_s`` idle), and
     every control call or nccl announce in flight holds one; calls beyond that wait for a thread.
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], pool: BlockPool, fingerprint: dict[str, str],
-                 secret: bytes | str, transport: str = "grpc", host: str = "127.0.0.1", port: int = 0,
-                 progress_timeout_s: float = 10.0, max_workers: int = 256, **options):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport: must be one of {TRANSPORTS}, got {transport!r}")
+                 config: ReceiverConfig):
         if not kv_caches:
             raise ValueError("kv_caches: need at least one layer")
         self.pool = pool
-        self.transport = transport
+        self.config = config
+        self.transport = config.transport
         self.block_size = int(kv_caches[0].shape[2])
         self.num_layers = len(kv_caches)
-        self.core = ReceiverCore(kv_caches, fingerprint, secret, progress_timeout_s)
+        self.core = ReceiverCore(kv_caches, fingerprint, config.secret, config.progress_timeout_s)
         self._server = None
-        if transport == "local":
+        if self.transport == "local":
             from kvtransfer.transports import local
 
             self.endpoint = local.register(self.core)
         else:
             from kvtransfer.transports import service
 
-            self._server, self.endpoint = service.serve(self.core, transport, host, port, max_workers, **options)
+            self._server, self.endpoint = service.serve(self.core, config)
 
     # ---- owner thread ----------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int, lease_s: float = 30.0) -> Ticket:
-        """Allocate the blocks for ``num_tokens`` and return their ticket. Raises NoFreeBlocksError."""
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> Ticket:
+        """Allocate the blocks for ``num_tokens`` and return their ticket (lease: ``config.lease_s`` unless
+        given). Raises NoFreeBlocksError."""
+        lease_s = self.config.lease_s if lease_s is None else lease_s
         if self.core.ledger.for_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} already has a transfer")
         num_blocks = blocks_for_tokens(num_tokens, self.block_size)

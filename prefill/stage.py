@@ -43,6 +43,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stage_loop import StageLoop, load_engine
 from engine.channel import FirstToken
+from kvtransfer.config import SenderConfig
 
 
 @dataclass
@@ -80,9 +81,9 @@ class _ChannelEvents:
 
 
 class PrefillStage(StageLoop):
-    def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, transfer: dict,
+    def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, sender: SenderConfig,
                  num_threads: int | None = None, late_ticket_overlap: bool | None = None):
-        """``transfer``: the KV sender's options: secret, lease_s, deadline_s, checksum, ...
+        """``sender``: the KV sender's config; its lease_s also paces the renewals of queued requests' leases.
 
         ``late_ticket_overlap``: whether a ticket that comes while the
         prompt's forward pass runs starts the transfer between layers (True)
@@ -96,11 +97,8 @@ class PrefillStage(StageLoop):
         from kvtransfer.sender import KVSender
 
         core, tokenizer = load_engine(model_dir, engine_config, num_threads)
-        opts = dict(transfer)
-        opts.pop("backend", None)
-        opts.pop("host", None)
-        self.lease_s = float(opts.pop("lease_s", 30.0))
-        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
+        self.lease_s = sender.lease_s
+        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
         self._jobs: dict[str, _Job] = {}
         self._early_tickets: dict = {}  # attach_ticket() that overtook its prefill()
         # tickets as they arrive (any thread), so a forward pass already under

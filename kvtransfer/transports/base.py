@@ -8,6 +8,7 @@ from concurrent.futures import Future
 import torch
 
 from kvtransfer import slabs
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan, contiguous_runs
 from kvtransfer.types import Ack
 
@@ -22,6 +23,15 @@ class Link(ABC):
     """
 
     is_broken: bool = False
+
+    @classmethod
+    @abstractmethod
+    def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "Link":
+        """Open and authenticate a link (blocking, up to ``config.connect_timeout_s``).
+
+        Raises HandshakeError when the receiver refuses (secret, fingerprint), TransferError when it
+        cannot be reached.
+        """
 
     @abstractmethod
     def send_chunk(self, transfer_id: str, chunk: ChunkPlan, src: list[torch.Tensor], src_block_ids: list[int],

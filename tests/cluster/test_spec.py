@@ -86,7 +86,7 @@ def test_split_gives_each_component_its_config():
     assert cfg.router.policy == "prefix_aware"
     assert cfg.router.capacity(Stage.DECODE) == 8 and cfg.router.capacity(Stage.PREFILL) == 64
     assert cfg.frontend.api_keys == ("k1", "k2")
-    assert cfg.transfer.cluster_secret is None
+    assert cfg.transfer.sender.secret is None and cfg.transfer.receiver.secret is None
     pre.engine.validate()
     dec.engine.validate()
 

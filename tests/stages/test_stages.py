@@ -12,6 +12,7 @@ from decode.stage import DecodeStage
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from kvtransfer.config import ReceiverConfig, SenderConfig
 from prefill.stage import PrefillStage
 from tests.engine.factories import random_prompts, save_tiny_model
 
@@ -28,8 +29,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def stages(model_dir):
     cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
-    decode = DecodeStage("decode-0", str(model_dir), cfg, {"backend": "local", "secret": "s", "lease_s": 10})
-    prefill = PrefillStage("prefill-0", str(model_dir), cfg, {"secret": "s", "lease_s": 10, "deadline_s": 10})
+    decode = DecodeStage("decode-0", str(model_dir), cfg, ReceiverConfig("s", "local", lease_s=10))
+    prefill = PrefillStage("prefill-0", str(model_dir), cfg, SenderConfig("s", lease_s=10, deadline_s=10))
     yield prefill, decode
     prefill.close()
     decode.close()
