@@ -2,9 +2,10 @@
 
 1. ``reserve()`` (owner thread) allocates blocks from the engine's pool and
    returns a Ticket with a lease.
-2. Transport threads call ``ReceiverCore.write_chunk/commit/abort`` (receiver_core.py) as
-   chunks and control messages arrive; they only ever write into the
-   ticket's blocks, under the transfer's lock, while it still accepts data.
+2. Transport threads call ``ReceiverCore.write_chunk/commit/abort``
+   (receiver_core.py) as chunks and control messages arrive; they only ever
+   write into the ticket's blocks, under the transfer's lock, while it still
+   accepts data.
 3. ``poll()`` (owner thread) expires leases, frees the blocks of FAILED
    transfers and returns every transfer that finished since the last poll.
 4. ``release()`` hands a DONE transfer's blocks to the engine.
@@ -14,6 +15,10 @@ abort, poll, release and close must all be called from one thread (the
 decode loop, which polls every step). A lease is enforced twice: transport
 threads refuse data once its deadline has passed, and the next poll() frees
 the blocks and reports FAILED.
+
+One ``config.ReceiverConfig`` sets the transport, address, lease, timeouts
+and handler threads; the transport's service gets it whole. This module
+imports the transports; they import ``receiver_core``, never this module.
 """
 from __future__ import annotations
 
