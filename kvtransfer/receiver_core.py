@@ -46,7 +46,6 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._nonces: dict[bytes, float] = {}
         self.sessions: dict[str, Session] = {}
-        self.on_handshake = None  # set by the nccl service: Session -> pairing info
         self.num_dropped_chunks = 0
 
     # ---- handshake -----------------------------------------------------
