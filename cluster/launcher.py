@@ -63,13 +63,13 @@ class Cluster:
             self._started_ray = True
         # Convert a GGUF once, here, so replicas don't race to do it.
         self.model_dir = str(resolve_model(cfg.model))
-        secret = cfg.transfer.cluster_secret or secrets.token_hex(16)
-        transfer = {"backend": cfg.transfer.backend, "secret": secret, "lease_s": cfg.transfer.lease_s}
-        sender_extra = {"deadline_s": cfg.transfer.deadline_s, "checksum": cfg.transfer.checksum}
+        transfer = cfg.transfer
+        if transfer.sender.secret is None:
+            transfer = transfer.with_secret(secrets.token_hex(16))
         # a joined cluster may span hosts: receivers listen on every interface
         # and advertise their host's address
         self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
-        receiver_host = "0.0.0.0" if self._is_joined else "127.0.0.1"
+        receiver = dataclasses.replace(transfer.receiver, host="0.0.0.0" if self._is_joined else "127.0.0.1")
         for stage, sc in cfg.stages.items():
             cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):
@@ -79,11 +79,9 @@ class Cluster:
                 engine_cfg = self._engine_config(sc)
                 threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
                 if stage is Stage.PREFILL:
-                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg,
-                                                       dict(transfer, **sender_extra), threads)
+                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, transfer.sender, threads)
                 elif stage is Stage.DECODE:
-                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg,
-                                                       dict(transfer, host=receiver_host), threads)
+                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, receiver, threads)
                 else:
                     actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, None, threads)
                 self.actors[rid] = (stage, actor)

@@ -18,7 +18,7 @@ Example (every field has a default, so ``{}`` is a valid spec)::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.router import RouterConfig
 from cluster.types import Stage
 from engine.config import EngineConfig
+from kvtransfer.config import MAX_CHUNK_BYTES, GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -128,14 +129,54 @@ class StageSpec(_Strict):
 
 
 class TransferOptions(_Strict):
+    """Every knob of the KV transfer; each goes to the senders' or the receivers' config, or both."""
+
     lease_s: float = Field(30.0, gt=0)  # reserved blocks whose KV never came are freed after this
     deadline_s: float = Field(60.0, gt=0)  # a transfer ends DONE or FAILED within this
     checksum: bool = False  # verify each chunk's checksum on receipt
+    connect_timeout_s: float = Field(10.0, gt=0)  # a sender opening and authenticating a link to a receiver
+    # a chunk the receiver does not acknowledge within this fails its link (nccl: the receiver waits
+    # as long for an announced chunk's bytes)
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    max_chunk_bytes: int = Field(4 << 20, ge=1, le=MAX_CHUNK_BYTES)  # per message; a chunk holds at least one block
+    progress_timeout_s: float = Field(10.0, gt=0)  # each chunk that lands extends the lease to at least this
+    max_workers: int = Field(256, ge=1)  # a receiver's handler threads: one per open grpc Push stream or call
+    # chunks in flight per link; None: the backend's own (grpc 16, nccl 32)
+    window: int | None = Field(None, ge=1)
+    num_channels: int = Field(2, ge=1)  # grpc: connections per link, each its own socket and Push stream
+    stream_idle_s: float = Field(2.0, gt=0)  # grpc: a Push stream closes after this long without a chunk
+
+
+_BACKEND_OPTIONS = {"window": ("grpc", "nccl"), "num_channels": ("grpc",), "stream_idle_s": ("grpc",)}
 
 
 class TransferSpec(_Strict):
     backend: Literal["nccl", "grpc", "local"] = "grpc"
     options: TransferOptions = Field(default_factory=TransferOptions)
+
+    def unused_options(self) -> list[str]:
+        """``"transfer.options.<name>: ..."`` for each option set that this backend does not use."""
+        problems = []
+        for name in sorted(self.options.model_fields_set):
+            backends = _BACKEND_OPTIONS.get(name, (self.backend,))
+            if self.backend not in backends:
+                problems.append(f"transfer.options.{name}: only backend {' or '.join(backends)} uses it, "
+                                f"not {self.backend!r}; remove it")
+        return problems
+
+    def transfer_config(self, secret: str | None) -> "TransferConfig":
+        """The senders' and receivers' configs (``secret`` None: the launcher fills it in)."""
+        o = self.options
+        grpc = GrpcLinkConfig(num_channels=o.num_channels, stream_idle_s=o.stream_idle_s)
+        nccl = NcclLinkConfig()
+        if o.window is not None:
+            grpc, nccl = replace(grpc, window=o.window), replace(nccl, window=o.window)
+        sender = SenderConfig(secret, lease_s=o.lease_s, deadline_s=o.deadline_s,
+                              connect_timeout_s=o.connect_timeout_s, chunk_timeout_s=o.chunk_timeout_s,
+                              max_chunk_bytes=o.max_chunk_bytes, checksum=o.checksum, grpc=grpc, nccl=nccl)
+        receiver = ReceiverConfig(secret, self.backend, lease_s=o.lease_s, progress_timeout_s=o.progress_timeout_s,
+                                  chunk_timeout_s=o.chunk_timeout_s, max_workers=o.max_workers)
+        return TransferConfig(sender, receiver)
 
 
 class RouterSpec(_Strict):
@@ -275,6 +316,7 @@ class Spec(_Strict):
         if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
             problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
                             f"so KV blocks transfer whole, got {self.decode.block_size}")
+        problems += self.transfer.unused_options()
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -363,11 +405,17 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str
-    lease_s: float
-    deadline_s: float
-    checksum: bool
-    cluster_secret: str | None  # None: the launcher makes one
+    """The config of every prefill replica's KV sender and every decode replica's KV receiver.
+
+    Their secret is None when the spec names no source of it: the launcher then
+    makes one per deployment and fills it in (``with_secret``).
+    """
+
+    sender: SenderConfig
+    receiver: ReceiverConfig
+
+    def with_secret(self, secret: str) -> "TransferConfig":
+        return TransferConfig(replace(self.sender, secret=secret), replace(self.receiver, secret=secret))
 
 
 @dataclass(frozen=True)
@@ -421,9 +469,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         max_inflight_per_replica=capacity, block_size=next(iter(spec.stages().values())).block_size,
         seed=r.seed,
     )
-    t = spec.transfer
-    transfer = TransferConfig(t.backend, t.options.lease_s, t.options.deadline_s, t.options.checksum,
-                              spec.auth.resolve_cluster_secret())
+    transfer = spec.transfer.transfer_config(spec.auth.resolve_cluster_secret())
     f = spec.frontend
     frontend = FrontendConfig(
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,

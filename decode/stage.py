@@ -31,25 +31,22 @@ from engine.sequence import Sequence
 from engine.serving.frames import Reserve, Submit, TicketReady
 from engine.serving.stage_loop import StageLoop, load_engine
 from engine.serving.types import LoadReport
+from kvtransfer.config import ReceiverConfig
 
 
 class DecodeStage(StageLoop):
     def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig,
-                 transfer: dict | None = None, num_threads: int | None = None):
-        """``transfer``: None for a colocated replica, else the KV receiver's
-        options: backend, secret, lease_s, host, and transport extras."""
+                 receiver: ReceiverConfig | None = None, num_threads: int | None = None):
+        """``receiver``: None for a colocated replica, else the KV receiver's config."""
         core, tokenizer = load_engine(model_dir, engine_config, num_threads)
         self.receiver = None
         self.lease_s = 30.0
-        if transfer is not None:
+        if receiver is not None:
             from kvtransfer.receiver import KVReceiver
 
-            opts = dict(transfer)
-            self.lease_s = float(opts.pop("lease_s", 30.0))
-            self.receiver = KVReceiver(
-                core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
-                opts.pop("secret"), transport=opts.pop("backend", "grpc"), host=opts.pop("host", "127.0.0.1"),
-                **opts)
+            self.lease_s = receiver.lease_s
+            self.receiver = KVReceiver(core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
+                                       receiver)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
         super().__init__(replica_id, core, tokenizer)
 

@@ -27,6 +27,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvtransfer.config import ReceiverConfig, SenderConfig
 
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
 FINGERPRINT = {"architecture": "llama", "num_layers": "30", "num_kv_heads": "3", "head_dim": "64",
@@ -44,8 +45,8 @@ def _receiver_main(conn, transport: str, num_blocks: int) -> None:
     from kvtransfer import KVReceiver
 
     pool = BlockPool(num_blocks)
-    rx = KVReceiver(allocate_kv_cache(SPEC, num_blocks), pool, FINGERPRINT, SECRET, transport=transport,
-                    max_workers=64)
+    rx = KVReceiver(allocate_kv_cache(SPEC, num_blocks), pool, FINGERPRINT,
+                    ReceiverConfig(SECRET, transport, max_workers=64))
     conn.send(rx.endpoint)
     def free_done():
         for r in rx.poll():
@@ -119,12 +120,12 @@ class Peer:
         self.src_kv = allocate_kv_cache(SPEC, num_blocks)
         for layer in self.src_kv:
             layer.copy_(torch.randn(layer.shape))
-        self.sender = KVSender(FINGERPRINT, SECRET, deadline_s=120)
+        self.sender = KVSender(FINGERPRINT, SenderConfig(SECRET, deadline_s=120))
         self.proc = None
         if transport == "local":
             self.dst_pool = BlockPool(num_blocks)
-            self.rx = KVReceiver(allocate_kv_cache(SPEC, num_blocks), self.dst_pool, FINGERPRINT, SECRET,
-                                 transport="local")
+            self.rx = KVReceiver(allocate_kv_cache(SPEC, num_blocks), self.dst_pool, FINGERPRINT,
+                                 ReceiverConfig(SECRET, "local"))
         else:
             ctx = mp.get_context("spawn")
             self.conn, child = ctx.Pipe()

@@ -13,6 +13,10 @@
 All public methods return at once; the one worker thread and the transports'
 threads do the moving. The source blocks must stay allocated until poll()
 reported the transfer (the prefill stage frees them then).
+
+One ``config.SenderConfig`` sets the deadline, timeouts, chunk size and
+checksum, and each transport's link options; every link gets it whole from
+``transports.connect`` and reads its own part.
 """
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtransfer import auth, transports
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
-from kvtransfer.receiver import Ack, byte_views
-from kvtransfer.types import HandshakeError, State, Ticket, TransferError, TransferResult
+from kvtransfer.slabs import byte_views
+from kvtransfer.types import Ack, HandshakeError, State, Ticket, TransferError, TransferResult
 
 
 @dataclass(eq=False)
@@ -54,20 +59,13 @@ class Outbound:
 
 
 class KVSender:
-    """Prefill-side endpoint. Options: deadline_s (per transfer, from start), connect_timeout_s,
-    chunk_timeout_s, max_chunk_bytes, checksum, window (chunks in flight per link); grpc:
-    num_channels (connections per link), stream_idle_s (a Push stream closes after this long idle)."""
+    """Prefill-side endpoint, configured by one SenderConfig (deadline, timeouts, chunk size, checksum,
+    and each transport's link options), which its links get whole."""
 
-    def __init__(self, fingerprint: dict[str, str], secret: bytes | str, deadline_s: float = 60.0,
-                 connect_timeout_s: float = 10.0, chunk_timeout_s: float = 30.0,
-                 max_chunk_bytes: int = 4 << 20, checksum: bool = False, **link_options):
+    def __init__(self, fingerprint: dict[str, str], config: SenderConfig):
+        auth.as_secret(config.secret)  # no secret, no sender
         self.fingerprint = dict(fingerprint)
-        self.secret = auth.as_secret(secret)
-        self.deadline_s = deadline_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_chunk_bytes = max_chunk_bytes
-        self.checksum = checksum
-        self.link_options = dict(link_options, chunk_timeout_s=chunk_timeout_s)
+        self.config = config
         self._lock = threading.Lock()
         self._sends: dict[str, Outbound] = {}
         self._links: dict[str, object] = {}
@@ -88,8 +86,8 @@ class KVSender:
                              f" source has {len(src_block_ids)}")
         src = byte_views(kv_caches)
         slab = src[0].shape[1]
-        plans = [plan_layer(layer, num_blocks, slab, self.max_chunk_bytes) for layer in range(len(src))]
-        ob = Outbound(ticket, src, list(src_block_ids), time.time() + self.deadline_s, plans)
+        plans = [plan_layer(layer, num_blocks, slab, self.config.max_chunk_bytes) for layer in range(len(src))]
+        ob = Outbound(ticket, src, list(src_block_ids), time.time() + self.config.deadline_s, plans)
         with self._lock:
             if ticket.request_id in self._sends:
                 raise ValueError(f"request {ticket.request_id!r} is already being sent")
@@ -136,7 +134,7 @@ class KVSender:
             sends = list(self._sends.values())
         for ob in sends:
             if not ob.state.is_finished and now > ob.deadline:
-                self._fail(ob, f"deadline of {self.deadline_s}s exceeded")
+                self._fail(ob, f"deadline of {self.config.deadline_s}s exceeded")
             with self._lock:
                 if ob.state.is_finished and not ob.is_reported:
                     ob.is_reported = True
@@ -221,11 +219,12 @@ class KVSender:
             if layer in ob.layer_ready:
                 ob.layer_ready.pop(layer).synchronize()
         chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
-                                 ob.src_bytes[0].shape[1], self.max_chunk_bytes)
+                                 ob.src_bytes[0].shape[1], self.config.max_chunk_bytes)
         for chunk in chunks:
             if ob.state.is_finished:
                 return
-            future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes, ob.src_block_ids, self.checksum)
+            future = ob.link.send_chunk(ob.ticket.transfer_id, chunk, ob.src_bytes, ob.src_block_ids,
+                                        self.config.checksum)
             future.add_done_callback(lambda f, ob=ob, n=chunk.num_layers: self._on_chunk(ob, f, n))
         self._maybe_commit(ob)
 
@@ -278,8 +277,7 @@ class KVSender:
             return link
         if link is not None:
             link.close()  # its transport failed: free what it still holds (threads, sockets)
-        link = transports.connect(endpoint, self.fingerprint, self.secret, self.connect_timeout_s,
-                                  **self.link_options)
+        link = transports.connect(endpoint, self.fingerprint, self.config)
         with self._lock:
             self._links[endpoint] = link
         return link

@@ -17,6 +17,11 @@ import torch
 from kvtransfer.planner import contiguous_runs
 
 
+def byte_views(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each layer as ``[num_blocks, slab_bytes]`` uint8, sharing storage."""
+    return [kv.view(kv.shape[0], -1).view(torch.uint8) for kv in kv_caches]
+
+
 def scatter(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """``dst[block_ids[i]] = src[i]`` for every i, in one copy where the CPU allows.
 

@@ -26,12 +26,23 @@ class State(enum.IntEnum):
         return self >= State.DONE
 
 
+@dataclass(frozen=True)
+class Ack:
+    """A receiver's answer to one chunk or control call. ``dropped``: the transfer is unknown, finished,
+    aborted or expired, and the chunk touched no block."""
+
+    ok: bool
+    dropped: bool = False
+    error: str = ""
+
+
 @dataclass
 class Ticket:
     """What the decode side hands the prefill side: where to put one request's KV.
 
-    A plain picklable dataclass (Ray passes it); ``to_proto``/``from_proto``
-    convert it at the service's edge.
+    A plain picklable dataclass: the request channels carry it from the decode
+    replica to the frontend and on to the prefill replica; it never crosses
+    the transfer service's wire.
     """
 
     transfer_id: str
@@ -40,17 +51,6 @@ class Ticket:
     block_ids: list[int]
     lease_deadline: float  # unix time
     transport: str
-
-    def to_proto(self):
-        from protos import kvtransfer_pb2 as pb
-
-        return pb.Ticket(transfer_id=self.transfer_id, request_id=self.request_id, endpoint=self.endpoint,
-                         block_ids=self.block_ids, lease_deadline=self.lease_deadline, transport=self.transport)
-
-    @classmethod
-    def from_proto(cls, msg) -> "Ticket":
-        return cls(msg.transfer_id, msg.request_id, msg.endpoint, list(msg.block_ids), msg.lease_deadline,
-                   msg.transport)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.serving.frames import Attach, FirstToken, Prefill, PrefillDone
 from engine.serving.stage_loop import StageLoop, load_engine
 from engine.serving.types import GenerateDelta, LoadReport, TokenLogprob
+from kvtransfer.config import SenderConfig
 
 
 @dataclass
@@ -56,9 +57,9 @@ class _Job:
 
 
 class PrefillStage(StageLoop):
-    def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, transfer: dict,
+    def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, sender: SenderConfig,
                  num_threads: int | None = None, late_ticket_overlap: bool | None = None):
-        """``transfer``: the KV sender's options: secret, lease_s, deadline_s, checksum, ...
+        """``sender``: the KV sender's config; its lease_s also paces the renewals of queued requests' leases.
 
         ``late_ticket_overlap``: whether a ticket that comes while the
         prompt's forward pass runs starts the transfer between layers (True)
@@ -70,11 +71,8 @@ class PrefillStage(StageLoop):
         from kvtransfer.sender import KVSender
 
         core, tokenizer = load_engine(model_dir, engine_config, num_threads)
-        opts = dict(transfer)
-        opts.pop("backend", None)
-        opts.pop("host", None)
-        self.lease_s = float(opts.pop("lease_s", 30.0))
-        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), opts.pop("secret"), **opts)
+        self.lease_s = sender.lease_s
+        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under
         # way picks them up between layers instead of sending it all afterwards

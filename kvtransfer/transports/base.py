@@ -8,8 +8,9 @@ from concurrent.futures import Future
 import torch
 
 from kvtransfer import slabs
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan, contiguous_runs
-from kvtransfer.receiver import Ack
+from kvtransfer.types import Ack
 
 
 class Link(ABC):
@@ -23,12 +24,21 @@ class Link(ABC):
 
     is_broken: bool = False
 
+    @classmethod
+    @abstractmethod
+    def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "Link":
+        """Open and authenticate a link (blocking, up to ``config.connect_timeout_s``).
+
+        Raises HandshakeError when the receiver refuses (secret, fingerprint), TransferError when it
+        cannot be reached.
+        """
+
     @abstractmethod
     def send_chunk(self, transfer_id: str, chunk: ChunkPlan, src: list[torch.Tensor], src_block_ids: list[int],
                    checksum: bool) -> Future:
         """Send the slabs of ``chunk`` (its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]``).
 
-        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``receiver.byte_views``).
+        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``slabs.byte_views``).
         """
 
     @abstractmethod

@@ -25,12 +25,12 @@ import grpc
 import torch
 
 from kvtransfer import auth
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack
 from kvtransfer.transports import heap
 from kvtransfer.transports.base import Link, chunk_ids, done, gather, pieces
 from kvtransfer.transports.service import SESSION_KEY, grpc_options
-from kvtransfer.types import HandshakeError, TransferError
+from kvtransfer.types import Ack, HandshakeError, TransferError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 
@@ -56,15 +56,16 @@ class GrpcControl(Link):
 
     transport = "grpc"
 
-    def __init__(self, endpoint: str, channel: grpc.Channel, session_id: str, chunk_timeout_s: float):
+    def __init__(self, endpoint: str, channel: grpc.Channel, session_id: str, config: SenderConfig):
         self.endpoint = endpoint
         self.channel = channel
         self.stub = pb_grpc.KVTransferStub(channel)
         self.metadata = ((SESSION_KEY, session_id),)
-        self.chunk_timeout_s = chunk_timeout_s
+        self.chunk_timeout_s = config.chunk_timeout_s
 
     @classmethod
-    def _handshake(cls, endpoint, fingerprint, secret, timeout_s):
+    def _handshake(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig):
+        secret, timeout_s = auth.as_secret(config.secret), config.connect_timeout_s
         address = endpoint.split("://", 1)[1]
         channel = grpc.insecure_channel(address, options=grpc_options())
         stub = pb_grpc.KVTransferStub(channel)
@@ -242,25 +243,25 @@ class GrpcLink(GrpcControl):
     transport = "grpc"
     _is_broken = False  # the control calls' verdict; a dead Push stream breaks the link too (is_broken)
 
-    def __init__(self, *args, window: int = 16, num_channels: int = 2, stream_idle_s: float = 2.0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, endpoint: str, channel: grpc.Channel, session_id: str, config: SenderConfig):
+        super().__init__(endpoint, channel, session_id, config)
+        options = config.grpc
         address = self.endpoint.split("://", 1)[1]
         self._data_channels = [grpc.insecure_channel(address, options=grpc_options() + [
-            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(max(1, num_channels))]
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(options.num_channels)]
         self._streams = [PushStream(c.stream_stream(_SERVICE + "Push", request_serializer=None,
                                                     response_deserializer=pb.Ack.FromString),
-                                    self.metadata, self.chunk_timeout_s, name=f"kvt-push{i}", idle_s=stream_idle_s)
+                                    self.metadata, self.chunk_timeout_s, name=f"kvt-push{i}",
+                                    idle_s=options.stream_idle_s)
                          for i, c in enumerate(self._data_channels)]
         self._next = itertools.count()
-        self._window = threading.Semaphore(window)
+        self._window = threading.Semaphore(options.window)
 
     @classmethod
-    def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 16,
-                num_channels: int = 2, stream_idle_s: float = 2.0, **options):
-        channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
+    def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "GrpcLink":
+        channel, reply = cls._handshake(endpoint, fingerprint, config)
         heap.keep_large_buffers()
-        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, window=window, num_channels=num_channels,
-                   stream_idle_s=stream_idle_s)
+        return cls(endpoint, channel, reply.session_id, config)
 
     @property
     def is_broken(self) -> bool:

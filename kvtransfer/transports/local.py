@@ -13,10 +13,11 @@ import weakref
 import torch
 
 from kvtransfer import auth
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack, ReceiverCore
+from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.transports.base import Link, chunk_ids, crc32_of, done, gather
-from kvtransfer.types import HandshakeError, TransferError
+from kvtransfer.types import Ack, HandshakeError, TransferError
 
 _lock = threading.Lock()
 _receivers: dict[str, weakref.ref] = {}
@@ -40,7 +41,8 @@ class LocalLink(Link):
         self._core_ref = weakref.ref(core)
 
     @classmethod
-    def connect(cls, endpoint, fingerprint, secret, timeout_s, **options) -> "LocalLink":
+    def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "LocalLink":
+        secret = auth.as_secret(config.secret)
         core = _lookup(endpoint)
         sender_nonce = auth.new_nonce()
         nonce = core.hello()

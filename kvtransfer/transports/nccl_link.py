@@ -17,12 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import Ack
 from kvtransfer.transports import pairing
 from kvtransfer.transports.base import chunk_ids, crc32_of, done, gather
 from kvtransfer.transports.grpc_link import GrpcControl
-from kvtransfer.types import TransferError
+from kvtransfer.types import Ack, TransferError
 from protos import kvtransfer_pb2 as pb
 
 
@@ -33,12 +33,12 @@ def pair_device(backend: str) -> torch.device:
 class NcclLink(GrpcControl):
     transport = "nccl"
 
-    def __init__(self, *args, pair: pairing.PairGroup, window: int = 32, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, endpoint: str, channel, session_id: str, config: SenderConfig, pair: pairing.PairGroup):
+        super().__init__(endpoint, channel, session_id, config)
         self.pair = pair
         self._tags = itertools.count(1)
         self._tag_lock = threading.Lock()
-        self._window = threading.Semaphore(window)
+        self._window = threading.Semaphore(config.nccl.window)
         # Starting a send writes what the socket takes in the caller's thread; a thread of its own
         # lets the sender's worker gather the next chunk meanwhile.
         self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-p2p-send")
@@ -46,19 +46,18 @@ class NcclLink(GrpcControl):
         self.staging = pairing.StagingBuffers(pair_device(pair.backend))
 
     @classmethod
-    def connect(cls, endpoint, fingerprint, secret, timeout_s, chunk_timeout_s: float = 30.0, window: int = 32,
-                **options):
-        channel, reply = cls._handshake(endpoint, fingerprint, secret, timeout_s)
+    def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "NcclLink":
+        channel, reply = cls._handshake(endpoint, fingerprint, config)
         pair = pairing.PairGroup(reply.backend)
         try:
-            store = pairing.join_store(reply.store_host, reply.store_port, timeout_s)
+            store = pairing.join_store(reply.store_host, reply.store_port, config.connect_timeout_s)
             pair.group = pairing.make_group(store, reply.pair_id, pairing.SENDER_RANK, reply.backend,
-                                            reply.store_host, chunk_timeout_s)
+                                            reply.store_host, config.chunk_timeout_s)
             pair._ready.set()
         except Exception as e:
             channel.close()
             raise TransferError(f"cannot join the process group of {endpoint}: {e}") from None
-        return cls(endpoint, channel, reply.session_id, chunk_timeout_s, pair=pair, window=window)
+        return cls(endpoint, channel, reply.session_id, config, pair)
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)

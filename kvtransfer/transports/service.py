@@ -9,9 +9,10 @@ from concurrent import futures
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvtransfer.receiver import Ack, ReceiverCore
+from kvtransfer.config import ReceiverConfig
+from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.transports import heap, pairing
-from kvtransfer.types import HandshakeError
+from kvtransfer.types import Ack, HandshakeError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 
@@ -210,17 +211,19 @@ def advertised_host(host: str) -> str:
     return host
 
 
-def serve(core: ReceiverCore, transport: str, host: str, port: int, max_workers: int,
-          chunk_timeout_s: float = 30.0, advertise_host: str | None = None):
-    """Start the service on host:port; returns (server, endpoint). The endpoint names advertise_host."""
+def serve(core: ReceiverCore, config: ReceiverConfig):
+    """Start the service (``config.transport``: grpc or nccl) on ``config.host:port``; returns (server, endpoint).
+
+    The endpoint names ``config.advertise_host``, or else the address peers dial (``advertised_host``).
+    """
     heap.keep_large_buffers()
-    public = advertise_host or advertised_host(host)
-    servicer = KVTransferServicer(core, transport, public, chunk_timeout_s)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvt-rx"),
+    public = config.advertise_host or advertised_host(config.host)
+    servicer = KVTransferServicer(core, config.transport, public, config.chunk_timeout_s)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="kvt-rx"),
                          options=grpc_options())
     server.add_generic_rpc_handlers((method_handlers(servicer),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(f"{config.host}:{config.port}")
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {config.host}:{config.port}")
     server.start()
-    return server, f"{transport}://{public}:{bound}"
+    return server, f"{config.transport}://{public}:{bound}"

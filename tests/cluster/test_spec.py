@@ -2,6 +2,7 @@ import pytest
 
 from cluster.spec import SpecError, Spec, load_spec, split_spec
 from cluster.types import Stage
+from kvtransfer.config import GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
 
 
 def problems(data) -> list[str]:
@@ -86,10 +87,40 @@ def test_split_gives_each_component_its_config():
     assert cfg.router.policy == "prefix_aware"
     assert cfg.router.capacity(Stage.DECODE) == 8 and cfg.router.capacity(Stage.PREFILL) == 64
     assert cfg.frontend.api_keys == ("k1", "k2")
-    assert cfg.transfer.cluster_secret is None
+    assert cfg.transfer.sender.secret is None and cfg.transfer.receiver.secret is None
     pre.engine.validate()
     dec.engine.validate()
 
+
+
+def test_transfer_defaults_are_the_transfer_services():
+    transfer = split_spec(Spec.model_validate({})).transfer
+    assert transfer.sender == SenderConfig() and transfer.receiver == ReceiverConfig()
+
+
+def test_every_transfer_option_reaches_its_config():
+    options = {"lease_s": 5, "deadline_s": 7, "checksum": True, "connect_timeout_s": 3, "chunk_timeout_s": 4,
+               "max_chunk_bytes": 65536, "progress_timeout_s": 2, "max_workers": 8, "window": 6, "num_channels": 3,
+               "stream_idle_s": 0.5}
+    transfer = split_spec(Spec.model_validate({"transfer": {"backend": "grpc", "options": options}})).transfer
+    assert transfer.sender == SenderConfig(lease_s=5, deadline_s=7, connect_timeout_s=3, chunk_timeout_s=4,
+                                           max_chunk_bytes=65536, checksum=True, nccl=NcclLinkConfig(window=6),
+                                           grpc=GrpcLinkConfig(window=6, num_channels=3, stream_idle_s=0.5))
+    assert transfer.receiver == ReceiverConfig(transport="grpc", lease_s=5, progress_timeout_s=2, chunk_timeout_s=4,
+                                               max_workers=8)
+    filled = transfer.with_secret("s3cret")
+    assert filled.sender.secret == filled.receiver.secret == "s3cret"
+    assert filled.sender.grpc == transfer.sender.grpc
+
+
+def test_a_transfer_option_is_known_bounded_and_used_by_the_backend():
+    assert problems({"transfer": {"options": {"windw": 4}}}) == ["transfer.options.windw: unknown field"]
+    assert problems({"transfer": {"options": {"window": 0, "stream_idle_s": 0}}}) == [
+        "transfer.options.window: must be >= 1, got 0", "transfer.options.stream_idle_s: must be > 0, got 0"]
+    assert problems({"transfer": {"backend": "nccl", "options": {"window": 8, "num_channels": 4}}}) == [
+        "transfer.options.num_channels: only backend grpc uses it, not 'nccl'; remove it"]
+    assert problems({"transfer": {"backend": "local", "options": {"window": 8}}}) == [
+        "transfer.options.window: only backend grpc or nccl uses it, not 'local'; remove it"]
 
 def test_colocated_split_has_one_stage():
     cfg = split_spec(Spec.model_validate({"mode": "colocated", "colocated": {"replicas": 2}}))

@@ -14,6 +14,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvtransfer.config import ReceiverConfig, SenderConfig
 
 SECRET = "test-cluster-secret"
 NUM_BLOCKS = 512
@@ -69,14 +70,14 @@ def spawn(target, *args):
 
 
 # ---- peer process bodies (run in a spawned child) --------------------------
-def sender_peer(conn, dtype: str, seed: int, options: dict) -> None:
+def sender_peer(conn, dtype: str, seed: int, config: SenderConfig) -> None:
     """Receives ("send", tickets, tokens, stop_after_layer|None); answers results and pool state."""
     from kvtransfer import KVSender
 
     spec = make_spec(dtype)
     kv = make_source(spec, seed)
     pool = BlockPool(NUM_BLOCKS)
-    sender = KVSender(make_fingerprint(spec), options.pop("secret", SECRET), **options)
+    sender = KVSender(make_fingerprint(spec), config)
     rng = random.Random(seed)
     conn.send(("ready",))
     while True:
@@ -107,14 +108,13 @@ def sender_peer(conn, dtype: str, seed: int, options: dict) -> None:
         conn.send(("results", results, src, pool.is_fully_free()))
 
 
-def receiver_peer(conn, transport: str, dtype: str, options: dict) -> None:
+def receiver_peer(conn, dtype: str, config: ReceiverConfig) -> None:
     """Hosts a receiver; answers ("reserve", rid, tokens, lease_s) with a Ticket; polls in between."""
     from kvtransfer import KVReceiver
 
     spec = make_spec(dtype)
     pool = BlockPool(NUM_BLOCKS)
-    rx = KVReceiver(allocate_kv_cache(spec, NUM_BLOCKS), pool, make_fingerprint(spec), SECRET,
-                    transport=transport, **options)
+    rx = KVReceiver(allocate_kv_cache(spec, NUM_BLOCKS), pool, make_fingerprint(spec), config)
     conn.send(rx.endpoint)
     while True:
         if conn.poll(0.01):

@@ -13,8 +13,9 @@ import torch
 from engine.block_pool import BlockPool, NoFreeBlocksError
 from engine.kv_cache import allocate_kv_cache
 from kvtransfer import HandshakeError, KVReceiver, KVSender, transports
+from kvtransfer.config import GrpcLinkConfig, ReceiverConfig, SenderConfig
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.receiver import byte_views
+from kvtransfer.slabs import byte_views
 from kvtransfer.types import State
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
@@ -30,11 +31,11 @@ def receiver(request):
     """A receiver in this process; the test asserts its pool is fully free at the end."""
     made = []
 
-    def make(transport, dtype="bfloat16", **options):
+    def make(transport, dtype="bfloat16", **fields):  # fields: ReceiverConfig's
         spec = make_spec(dtype)
         pool = BlockPool(NUM_BLOCKS)
-        rx = KVReceiver(allocate_kv_cache(spec, NUM_BLOCKS), pool, make_fingerprint(spec), SECRET,
-                        transport=transport, **options)
+        rx = KVReceiver(allocate_kv_cache(spec, NUM_BLOCKS), pool, make_fingerprint(spec),
+                        ReceiverConfig(SECRET, transport, **fields))
         made.append(rx)
         return rx, spec
 
@@ -56,7 +57,7 @@ def fill_until(predicate, timeout_s: float = 10.0) -> bool:
 def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transport):
     lease_s, progress_s = 2.0, 1.0
     rx, spec = receiver(transport, progress_timeout_s=progress_s)
-    proc, conn, _ = spawn(sender_peer, "bfloat16", 1, {})
+    proc, conn, _ = spawn(sender_peer, "bfloat16", 1, SenderConfig(SECRET))
     tickets = [rx.reserve(f"r{i}", 40, lease_s=lease_s) for i in range(3)]
     conn.send(("send", tickets, [40] * 3, 1))
     assert conn.recv()[0] == "stalled"
@@ -72,11 +73,11 @@ def test_sender_killed_mid_transfer_frees_blocks_within_lease(receiver, transpor
 
 @pytest.mark.parametrize("transport", NETWORK)
 def test_receiver_killed_sender_fails_within_deadline(transport):
-    proc, conn, _ = spawn(receiver_peer, transport, "bfloat16", {})
+    proc, conn, _ = spawn(receiver_peer, "bfloat16", ReceiverConfig(SECRET, transport))
     spec = make_spec("bfloat16")
     kv, pool = make_source(spec, 2), BlockPool(NUM_BLOCKS)
     deadline_s = 4.0
-    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=deadline_s, chunk_timeout_s=2.0)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET, deadline_s=deadline_s, chunk_timeout_s=2.0))
     tickets, src = [], {}
     for i in range(4):
         conn.send(("reserve", f"r{i}", 50, 30.0))
@@ -103,10 +104,10 @@ def test_receiver_killed_sender_fails_within_deadline(transport):
 def test_stuck_receiver_fails_the_chunk_within_its_timeout_and_the_link_is_replaced():
     """A receiver that stops answering (SIGSTOP: its socket stays open) fails the send after chunk_timeout_s,
     long before the transfer's deadline; once it answers again, the next transfer opens a fresh link."""
-    proc, conn, _ = spawn(receiver_peer, "grpc", "bfloat16", {})
+    proc, conn, _ = spawn(receiver_peer, "bfloat16", ReceiverConfig(SECRET, "grpc"))
     spec = make_spec("bfloat16")
     kv, pool = make_source(spec, 3), BlockPool(NUM_BLOCKS)
-    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=60.0, chunk_timeout_s=1.5)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET, deadline_s=60.0, chunk_timeout_s=1.5))
 
     tickets = {}
     for rid in ("before", "stuck", "after"):  # reserved up front: a stopped receiver answers nothing
@@ -152,8 +153,9 @@ def test_idle_push_streams_give_back_the_receivers_handler_threads(receiver):
     a receiver with fewer threads than its senders have connections serves them all, one burst after another."""
     rx, spec = receiver("grpc", max_workers=2)
     kv, pool = make_source(spec, 4), BlockPool(NUM_BLOCKS)
-    senders = [KVSender(make_fingerprint(spec), SECRET, connect_timeout_s=5.0, chunk_timeout_s=5.0,
-                        num_channels=2, stream_idle_s=0.2) for _ in range(3)]
+    config = SenderConfig(SECRET, connect_timeout_s=5.0, chunk_timeout_s=5.0,
+                          grpc=GrpcLinkConfig(num_channels=2, stream_idle_s=0.2))
+    senders = [KVSender(make_fingerprint(spec), config) for _ in range(3)]
     try:
         for i, tx in enumerate(senders):
             ticket = rx.reserve(f"r{i}", 40)
@@ -176,7 +178,7 @@ def test_idle_push_streams_give_back_the_receivers_handler_threads(receiver):
 @pytest.mark.parametrize("transport", ALL)
 def test_wrong_secret_is_refused(receiver, transport):
     rx, spec = receiver(transport)
-    tx = KVSender(make_fingerprint(spec), "not-the-secret")
+    tx = KVSender(make_fingerprint(spec), SenderConfig("not-the-secret"))
     with pytest.raises(HandshakeError, match="secret"):
         tx.connect(rx.endpoint)
     ticket = rx.reserve("r", 20)
@@ -195,7 +197,7 @@ def test_wrong_secret_is_refused(receiver, transport):
 @pytest.mark.parametrize("transport", ALL)
 def test_fingerprint_mismatch_names_the_field(receiver, transport):
     rx, spec = receiver(transport)
-    tx = KVSender(make_fingerprint(spec, num_kv_heads="4"), SECRET)
+    tx = KVSender(make_fingerprint(spec, num_kv_heads="4"), SenderConfig(SECRET))
     with pytest.raises(HandshakeError, match="num_kv_heads"):
         tx.connect(rx.endpoint)
     tx.close()
@@ -205,9 +207,9 @@ def test_fingerprint_mismatch_names_the_field(receiver, transport):
 def test_no_secret_no_transfer():
     spec = make_spec()
     with pytest.raises(ValueError, match="secret"):
-        KVSender(make_fingerprint(spec), "")
+        KVSender(make_fingerprint(spec), SenderConfig(""))
     with pytest.raises(ValueError, match="secret"):
-        KVReceiver(allocate_kv_cache(spec, 4), BlockPool(4), make_fingerprint(spec), None, transport="local")
+        KVReceiver(allocate_kv_cache(spec, 4), BlockPool(4), make_fingerprint(spec), ReceiverConfig(None, "local"))
 
 
 def test_calls_without_a_session_are_unauthenticated(receiver):
@@ -225,7 +227,7 @@ def test_late_and_duplicate_chunks_after_abort_are_dropped(receiver, transport):
     rx, spec = receiver(transport)
     src_kv = make_source(spec, 5, num_blocks=8)
     src = byte_views(src_kv)
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("old", 30)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 2), src, [3, 4], False).result(10).ok
     rx.abort("old")
@@ -248,7 +250,7 @@ def test_late_and_duplicate_chunks_after_abort_are_dropped(receiver, transport):
 def test_duplicate_chunks_after_done_are_dropped(receiver):
     rx, spec = receiver("local")
     src = byte_views(make_source(spec, 6, num_blocks=4))
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16)
     for layer in range(spec.num_layers):
         assert link.send_chunk(ticket.transfer_id, ChunkPlan(layer, 0, 1), src, [1], False).result().ok
@@ -279,7 +281,7 @@ def test_expired_lease_frees_blocks_and_fails(receiver):
 def test_sender_renews_the_lease_remotely(receiver):
     rx, spec = receiver("grpc")
     ticket = rx.reserve("r", 10, lease_s=5.0)
-    tx = KVSender(make_fingerprint(spec), SECRET)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET))
     tx.renew(ticket, 30.0)
     assert fill_until(lambda: rx.core.ledger.for_request("r").deadline > time.time() + 10)
     tx.close()
@@ -291,7 +293,7 @@ def test_sender_renews_the_lease_remotely(receiver):
 def test_commit_without_every_layer_fails_at_the_lease(receiver):
     rx, spec = receiver("local", progress_timeout_s=1.0)
     src = byte_views(make_source(spec, 6, num_blocks=4))
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16, lease_s=1.0)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
     assert link.commit(ticket.transfer_id, 1).result().ok  # accepted, waits for the other layers
@@ -305,7 +307,7 @@ def test_commit_without_every_layer_fails_at_the_lease(receiver):
 def test_commit_may_overtake_the_last_chunk(receiver):
     rx, spec = receiver("local")
     src = byte_views(make_source(spec, 6, num_blocks=4))
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16)
     last = ChunkPlan(spec.num_layers - 1, 0, 1)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1, spec.num_layers - 1), src, [1], False).result().ok
@@ -320,7 +322,7 @@ def test_commit_may_overtake_the_last_chunk(receiver):
 
 def test_checksum_mismatch_fails_the_transfer(receiver):
     rx, spec = receiver("grpc")
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16)
     data = bytes(rx.core.slab_bytes)
     chunk = pb.Chunk(transfer_id=ticket.transfer_id, layer=0, first_block=0, num_blocks=1, nbytes=len(data),
@@ -334,7 +336,7 @@ def test_checksum_mismatch_fails_the_transfer(receiver):
 
 def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
     rx, spec = receiver("grpc")
-    link = transports.connect(rx.endpoint, make_fingerprint(spec), SECRET.encode(), 10.0)
+    link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     push = link.channel.stream_stream("/kvrelay.kvtransfer.KVTransfer/Push", request_serializer=None,
                                       response_deserializer=pb.Ack.FromString)
     ticket = rx.reserve("r", 16)
@@ -361,7 +363,7 @@ def test_checksummed_transfer_is_done(receiver):
     ticket = rx.reserve("r", 20)
     src_pool = BlockPool(8)
     src = src_pool.allocate(2)
-    tx = KVSender(make_fingerprint(spec), SECRET, checksum=True)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET, checksum=True))
     tx.start(ticket, make_source(spec, 1, num_blocks=8), src, 20)
     for layer in range(spec.num_layers):
         tx.push_layer("r", layer)
@@ -378,7 +380,7 @@ def test_sender_abort_reaches_the_receiver(receiver):
     ticket = rx.reserve("r", 20)
     src_pool = BlockPool(8)
     src = src_pool.allocate(2)
-    tx = KVSender(make_fingerprint(spec), SECRET)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET))
     tx.start(ticket, make_source(spec, 1, num_blocks=8), src, 20)
     tx.push_layer("r", 0)
     tx.abort("r")
@@ -401,7 +403,7 @@ def test_hook_calls_after_a_failed_send_are_ignored(receiver):
     rx, spec = receiver("local")
     src_pool = BlockPool(8)
     src = src_pool.allocate(2)
-    tx = KVSender(make_fingerprint(spec), SECRET, deadline_s=0.0)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET, deadline_s=0.0))
     tx.start(rx.reserve("r", 20), make_source(spec, 1, num_blocks=8), src, 20)
     [failed] = wait_results(tx, count=1)
     assert failed.status == "FAILED" and "deadline" in failed.error

@@ -11,6 +11,7 @@ import torch
 from engine.block_pool import BlockPool, NoFreeBlocksError
 from engine.kv_cache import allocate_kv_cache
 from kvtransfer import KVReceiver, KVSender
+from kvtransfer.config import ReceiverConfig, SenderConfig
 from tests.kvtransfer.factories import SECRET, make_fingerprint, make_source, make_spec, wait_results
 
 
@@ -18,7 +19,7 @@ def test_racing_aborts_never_leak_writes_into_reused_blocks():
     spec = make_spec("float32", num_layers=2)
     num_blocks = 48
     pool = BlockPool(num_blocks)
-    rx = KVReceiver(allocate_kv_cache(spec, num_blocks), pool, make_fingerprint(spec), SECRET, transport="local")
+    rx = KVReceiver(allocate_kv_cache(spec, num_blocks), pool, make_fingerprint(spec), ReceiverConfig(SECRET, "local"))
     core = rx.core
     work: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -79,10 +80,10 @@ def test_racing_aborts_never_leak_writes_into_reused_blocks():
 
 def test_receiver_abort_fails_the_sender():
     spec = make_spec()
-    rx = KVReceiver(allocate_kv_cache(spec, 16), BlockPool(16), make_fingerprint(spec), SECRET, transport="grpc")
+    rx = KVReceiver(allocate_kv_cache(spec, 16), BlockPool(16), make_fingerprint(spec), ReceiverConfig(SECRET, "grpc"))
     src_pool = BlockPool(16)
     src = src_pool.allocate(2)
-    tx = KVSender(make_fingerprint(spec), SECRET)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET))
     ticket = rx.reserve("r", 20)
     rx.abort("r")
     tx.start(ticket, make_source(spec, 1, num_blocks=16), src, 20)

@@ -10,6 +10,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.kv_cache import allocate_kv_cache
 from kvtransfer import KVReceiver, KVSender
+from kvtransfer.config import ReceiverConfig, SenderConfig
 from tests.kvtransfer.factories import (NUM_BLOCKS, SECRET, make_fingerprint, make_source, make_spec, scattered,
                                         sender_peer, spawn, wait_results)
 
@@ -41,8 +42,9 @@ def test_two_processes_bit_exact(transport, dtype):
     pool = BlockPool(NUM_BLOCKS)
     shuffle_free_list(pool, rng)
     kv = allocate_kv_cache(spec, NUM_BLOCKS)
-    rx = KVReceiver(kv, pool, make_fingerprint(spec), SECRET, transport=transport)
-    proc, conn, _ = spawn(sender_peer, dtype, seed, {"max_chunk_bytes": 4096})  # several chunks per layer
+    rx = KVReceiver(kv, pool, make_fingerprint(spec), ReceiverConfig(SECRET, transport))
+    config = SenderConfig(SECRET, max_chunk_bytes=4096)  # several chunks per layer
+    proc, conn, _ = spawn(sender_peer, dtype, seed, config)
     try:
         expected = make_source(spec, seed)
         for num_requests, tokens in rounds(rng):
@@ -72,8 +74,8 @@ def test_local_bit_exact(dtype):
     src_kv, dst_kv = make_source(spec, 3), allocate_kv_cache(spec, NUM_BLOCKS)
     src_pool, dst_pool = BlockPool(NUM_BLOCKS), BlockPool(NUM_BLOCKS)
     shuffle_free_list(dst_pool, rng)
-    rx = KVReceiver(dst_kv, dst_pool, make_fingerprint(spec), SECRET, transport="local")
-    tx = KVSender(make_fingerprint(spec), SECRET, checksum=True, max_chunk_bytes=2048)
+    rx = KVReceiver(dst_kv, dst_pool, make_fingerprint(spec), ReceiverConfig(SECRET, "local"))
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET, checksum=True, max_chunk_bytes=2048))
     for num_requests, tokens in rounds(rng):
         tickets = [rx.reserve(f"r{num_requests}-{i}", n) for i, n in enumerate(tokens)]
         src = {t.request_id: scattered(src_pool, len(t.block_ids), rng) for t in tickets}

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.sequence import SequenceStatus
+from kvtransfer.config import ReceiverConfig, SenderConfig
 from prefill.stage import PrefillStage
 from tests.engine.factories import random_prompts, save_tiny_model
 from tests.stages.harness import wait_free as _wait_free
@@ -37,8 +38,8 @@ def served(model_dir):
     """prefill-0, decode-0 and a colocated replica, each dialled into one frontend-side server."""
     cfg = EngineConfig(dtype="float32", num_kv_blocks=160, max_num_batched_tokens=64)
     stages = {
-        "prefill-0": PrefillStage("prefill-0", str(model_dir), cfg, {"secret": "s", "lease_s": 10, "deadline_s": 10}),
-        "decode-0": DecodeStage("decode-0", str(model_dir), cfg, {"backend": "local", "secret": "s", "lease_s": 10}),
+        "prefill-0": PrefillStage("prefill-0", str(model_dir), cfg, SenderConfig("s", lease_s=10, deadline_s=10)),
+        "decode-0": DecodeStage("decode-0", str(model_dir), cfg, ReceiverConfig("s", "local", lease_s=10)),
         "colocated-0": DecodeStage("colocated-0", str(model_dir), cfg, None),
     }
     loop = asyncio.new_event_loop()

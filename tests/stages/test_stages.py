@@ -15,6 +15,7 @@ from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.serving.frames import Abort, Attach, FirstToken, Prefill, PrefillDone, Reserve, TicketReady
 from engine.serving.types import FinishReason
+from kvtransfer.config import ReceiverConfig, SenderConfig
 from prefill.stage import PrefillStage
 from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
 from tests.stages.harness import Driver, disaggregated, wait_free
@@ -37,8 +38,8 @@ def reference(model_dir):
 @pytest.fixture
 def stages(model_dir):
     cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
-    decode = DecodeStage("decode-0", str(model_dir), cfg, {"backend": "local", "secret": "s", "lease_s": 10})
-    prefill = PrefillStage("prefill-0", str(model_dir), cfg, {"secret": "s", "lease_s": 10, "deadline_s": 10})
+    decode = DecodeStage("decode-0", str(model_dir), cfg, ReceiverConfig("s", "local", lease_s=10))
+    prefill = PrefillStage("prefill-0", str(model_dir), cfg, SenderConfig("s", lease_s=10, deadline_s=10))
     yield Driver(prefill), Driver(decode)
     prefill.close()
     decode.close()
