@@ -220,11 +220,14 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(status), default=lambda o: getattr(o, "value", str(o)), indent=2))
         return 0
     print(f"model {status.model_name} ({status.mode}), {status.num_waiting} waiting")
-    print(f"{'replica':<16} {'stage':<10} {'alive':<6} {'running':>7} {'queued tok':>10} {'in flight':>9} {'KV used':>8}")
+    print(f"{'replica':<16} {'stage':<10} {'alive':<6} {'state':<10} {'running':>7} {'queued tok':>10} "
+          f"{'in flight':>9} {'KV used':>8} {'restarts':>8}")
     for r in status.replicas:
         kv = f"{r.kv_usage:.0%}" if r.num_total_blocks else "-"
-        print(f"{r.replica_id:<16} {r.stage.value:<10} {'yes' if r.is_alive else 'NO':<6} {r.num_running_seqs:>7} "
-              f"{r.num_queued_prefill_tokens:>10} {r.num_in_flight:>9} {kv:>8}")
+        print(f"{r.replica_id:<16} {r.stage.value:<10} {'yes' if r.is_alive else 'NO':<6} {r.state:<10} "
+              f"{r.num_running_seqs:>7} "
+              f"{r.num_queued_prefill_tokens:>10} {r.num_in_flight:>9} {kv:>8} {r.num_restarts:>8}"
+              + (f"   last error: {r.last_error}" if r.last_error and r.state != "serving" else ""))
     return 0
 
 

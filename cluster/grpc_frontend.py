@@ -187,6 +187,7 @@ def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
             replica_id=r.replica_id, stage=r.stage.value, alive=r.is_alive, running_seqs=r.num_running_seqs,
             queued_prefill_tokens=r.num_queued_prefill_tokens, in_flight=r.num_in_flight,
             free_blocks=r.num_free_blocks, total_blocks=r.num_total_blocks, kv_usage=r.kv_usage,
+            state=r.state, restarts=r.num_restarts, last_error=r.last_error,
         ) for r in status.replicas],
     )
 

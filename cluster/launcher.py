@@ -70,26 +70,40 @@ class Cluster:
         # and advertise their host's address
         self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
         receiver = dataclasses.replace(transfer.receiver, host="0.0.0.0" if self._is_joined else "127.0.0.1")
+        self._transfer_args = {Stage.PREFILL: transfer.sender, Stage.DECODE: receiver, Stage.COLOCATED: None}
         for stage, sc in cfg.stages.items():
-            cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):
                 rid = f"{stage.value}-{i}"
-                opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=f"{self.name}-{rid}",
-                            get_if_exists=False, lifetime=None)
-                engine_cfg = self._engine_config(sc)
-                threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
-                if stage is Stage.PREFILL:
-                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, transfer.sender, threads)
-                elif stage is Stage.DECODE:
-                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, receiver, threads)
-                else:
-                    actor = cls.options(**opts).remote(rid, self.model_dir, engine_cfg, None, threads)
-                self.actors[rid] = (stage, actor)
+                self.actors[rid] = (stage, self._spawn(rid, stage))
         refs = [a.load.remote() for _, a in self.actors.values()]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout_s)
         if pending:
             raise TimeoutError(f"{len(pending)} replica(s) not ready after {ready_timeout_s}s")
         ray.get(ready)  # raises the replica's own error if it failed to start
+
+    def _spawn(self, rid: str, stage: Stage, restart: int = 0):
+        """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first)."""
+        import ray
+
+        sc = self.config.stages[stage]
+        name = f"{self.name}-{rid}" + (f"-r{restart}" if restart else "")
+        opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=name, get_if_exists=False,
+                    lifetime=None)
+        threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
+        return ray.remote(_stage_class(stage)).options(**opts).remote(
+            rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads)
+
+    def respawn(self, rid: str, old, restart: int):
+        """Replace replica ``rid``: the old actor is killed (a stalled one must not come back), a new one
+        started (`cluster.replicas.Respawn`)."""
+        import ray
+
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception:
+            pass
+        stage = self.actors[rid][0]
+        return self._spawn(rid, stage, restart)
 
     @staticmethod
     def _engine_config(sc: StageConfig):
@@ -129,7 +143,8 @@ class Cluster:
             host, advertise = "0.0.0.0", ray.util.get_node_ip_address()
         self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
                                   model_config.vocab_size, Router(self.config.router), self.actors,
-                                  channel_host=host, channel_advertise_host=advertise)
+                                  channel_host=host, channel_advertise_host=advertise, health=self.config.health,
+                                  respawn=self.respawn)
         await self.backend.start()
         return self.backend
 

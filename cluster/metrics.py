@@ -22,11 +22,12 @@ Names (all prefixed ``kvrelay_``; times in seconds):
     kv_transfer_time_seconds                                    histograms
     requests_total{frontend, outcome}, prompt_tokens_total,
     generation_tokens_total, kv_transfer_bytes_total,
-    kv_transfer_failures_total                                  counters
+    kv_transfer_failures_total, request_migrations_total{cause},
+    requests_lost_total{cause}                                  counters
     requests_in_flight{frontend}, router_waiting_requests,
     replica_up / replica_running_seqs / replica_queued_prefill_tokens /
     replica_in_flight_requests / replica_kv_usage_ratio /
-    replica_kv_blocks_total {stage, replica}                    gauges
+    replica_kv_blocks_total / replica_restarts {stage, replica} gauges
 
 ``outcome`` is a finish reason (stop, length, abort, error) or why the
 request was refused (invalid_request, unauthenticated, overloaded,
@@ -67,6 +68,8 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
      lambda r: r.num_in_flight),
     ("replica_kv_usage_ratio", "Fraction of the replica's KV cache blocks in use (0..1)", lambda r: r.kv_usage),
     ("replica_kv_blocks_total", "KV cache blocks of the replica", lambda r: r.num_total_blocks),
+    ("replica_restarts", "Times the replica was replaced after it died, stalled or its loop failed",
+     lambda r: r.num_restarts),
 )
 
 
@@ -112,6 +115,10 @@ class ServingMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens sent to clients", registry=r)
         self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV cache bytes moved between stages", registry=r)
         self.transfer_failures = Counter(p + "kv_transfer_failures", "KV cache transfers that failed", registry=r)
+        self.migrations = Counter(p + "request_migrations", "Requests placed again after a replica failure, by cause",
+                                  ["cause"], registry=r)
+        self.lost = Counter(p + "requests_lost", "Requests a replica failure ended (migrations exhausted or off), "
+                            "by the failure's cause", ["cause"], registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests a frontend is running in the backend",
                                ["frontend"], registry=r)
         self._status = _StatusCollector()
@@ -178,6 +185,10 @@ class RequestMetrics:
             m.generation_tokens.inc(n)
         if delta.stage_metrics is not None:
             self._m.observe_stage_metrics(delta.stage_metrics)
+        for cause in delta.migrations:
+            self._m.migrations.labels(cause).inc()
+        if delta.lost_cause:
+            self._m.lost.labels(delta.lost_cause).inc()
 
     def finish(self, outcome: str) -> None:
         m = self._m

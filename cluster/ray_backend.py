@@ -29,13 +29,14 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from cluster.router import ReplicaLoad, Router
-from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError, ProfileTrace,
-                           RequestTimeline, Stage, StageMetrics, StageTimings)
+from cluster.replicas import HealthConfig, Replicas, Respawn
+from cluster.router import Placement, Router
+from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError,
+                           OverloadedError, ProfileTrace, RequestTimeline, Stage, StageMetrics, StageTimings)
 from engine.sampling import SamplingParams as EngineSamplingParams
 from engine.serving.channel import ChannelError, ChannelServer
-from engine.serving.frames import (Abort, Attach, Fail, FirstToken, Lost, Prefill, PrefillDone, Refused, Reserve,
-                                   Submit, TicketReady)
+from engine.serving.frames import (Abort, Attach, FirstToken, Lost, Prefill, PrefillDone, Refused, Reserve, Submit,
+                                   TicketReady)
 
 log = logging.getLogger(__name__)
 
@@ -48,138 +49,139 @@ def engine_params(req: GenerateRequest) -> EngineSamplingParams:
         ignore_eos=s.ignore_eos, logprobs=s.logprobs)
 
 
+class _ReplicaFailure(Exception):
+    """The request's replicas failed it (not its input): it may migrate."""
+
+    def __init__(self, cause: str, error: str):
+        super().__init__(error)
+        self.cause = cause  # decode_lost | prefill_lost | kv_transfer_failed | replica_error | stalled
+        self.error = error
+
+
 class RayBackend:
     def __init__(self, model_name: str, mode: str, tokenizer, max_model_len: int, vocab_size: int,
                  router: Router, replicas: dict[str, tuple[Stage, object]], load_interval_s: float = 0.05,
                  channel_host: str = "127.0.0.1", channel_advertise_host: str | None = None,
-                 connect_timeout_s: float = 60.0, stall_timeout_s: float = 600.0):
-        """``channel_host``: where the request channel (`engine.channel`)
+                 connect_timeout_s: float = 60.0, stall_timeout_s: float = 600.0,
+                 health: HealthConfig = HealthConfig(), respawn: Respawn | None = None):
+        """``channel_host``: where the request channel (`engine.serving.channel`)
         listens; replicas reach it at ``channel_advertise_host`` (default:
         ``channel_host``). ``stall_timeout_s``: a request that hears nothing
-        from its replicas for this long ends with an error."""
+        from its replicas for this long is taken from them (it migrates).
+        ``health``: migration limits and how replicas are watched;
+        ``respawn``: how the launcher replaces a replica (None: it does not)."""
         self.model_name = model_name
         self.mode = mode
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.router = router
-        self.replicas = replicas  # replica id -> (stage, actor handle)
-        self.load_interval_s = load_interval_s
-        self.connect_timeout_s = connect_timeout_s
+        self.replicas = replicas  # replica id -> (stage, actor handle), updated when one is replaced
+        self.health = health
         self.stall_timeout_s = stall_timeout_s
-        self._poller: asyncio.Task | None = None
-        self._reconnecting: set[str] = set()
         self.channels = ChannelServer(os.urandom(32), channel_host, channel_advertise_host,
-                                      on_lost=lambda rid: self._mark_dead(rid, "its request channel broke"))
+                                      on_lost=lambda rid: self.watch.lost_channel(rid))
+        self.watch = Replicas(router, self.channels, replicas, health, respawn, load_interval_s, connect_timeout_s)
+        self._attempts: dict[str, tuple[str, Placement]] = {}  # request id -> its current (attempt id, placement)
 
     async def start(self) -> None:
-        for rid, (stage, _) in self.replicas.items():
-            self.router.add_replica(rid, stage)
-        address = await self.channels.start()
-        await asyncio.gather(*(h.connect_channel.remote(address, self.channels.secret)
-                               for _, h in self.replicas.values()))
-        await self.channels.wait_connected(self.replicas, self.connect_timeout_s)
-        await self._poll_loads_once()
-        self._poller = asyncio.create_task(self._poll_loads())
+        await self.channels.start()
+        await self.watch.start()
 
     async def stop(self) -> None:
         self.channels.on_lost = None  # the replicas are not failing: we are going
-        if self._poller is not None:
-            self._poller.cancel()
-            try:
-                await self._poller
-            except asyncio.CancelledError:
-                pass
+        await self.watch.stop()
         await self.channels.stop()
-
-    # ---- load reports ------------------------------------------------------
-    async def _poll_loads(self) -> None:
-        while True:
-            await asyncio.sleep(self.load_interval_s)
-            try:
-                await self._poll_loads_once()
-            except Exception:  # keep polling whatever one round hit
-                log.exception("load poll failed")
-
-    async def _poll_loads_once(self) -> None:
-        ids = list(self.replicas)
-        results = await asyncio.gather(*(self.replicas[i][1].load.remote() for i in ids), return_exceptions=True)
-        prefix = self.router.config.policy == "prefix_aware"
-        hashes = {}
-        if prefix:
-            want = [i for i, r in zip(ids, results) if not isinstance(r, BaseException)
-                    and self.replicas[i][0] is not Stage.DECODE]
-            got = await asyncio.gather(*(self.replicas[i][1].cached_block_hashes.remote() for i in want),
-                                       return_exceptions=True)
-            hashes = {i: h for i, h in zip(want, got) if not isinstance(h, BaseException)}
-        for rid, res in zip(ids, results):
-            stage = self.replicas[rid][0]
-            if isinstance(res, BaseException) or not res.is_alive:
-                self._mark_dead(rid, res if isinstance(res, BaseException) else "its stage loop died")
-                continue
-            self.router.report_load(ReplicaLoad(
-                rid, stage, res.num_queued_prefill_tokens, res.num_running_seqs, res.num_free_blocks,
-                res.num_total_blocks, frozenset(hashes.get(rid, ())), time.monotonic()))
-            if not self.channels.is_connected(rid) and rid not in self._reconnecting:
-                self._reconnecting.add(rid)
-                asyncio.create_task(self._reconnect(rid))
-
-    async def _reconnect(self, rid: str) -> None:
-        """A replica that Ray says is alive but whose channel broke: dial again, then place on it again."""
-        try:
-            await self.replicas[rid][1].connect_channel.remote(self.channels.address, self.channels.secret)
-            await self.channels.wait_connected([rid], self.connect_timeout_s)
-            self.router.mark_alive(rid)
-            log.warning("replica %s: request channel back", rid)
-        except Exception as e:
-            log.warning("replica %s: request channel still down: %s", rid, e)
-        finally:
-            self._reconnecting.discard(rid)
-
-    def _mark_dead(self, rid: str, why) -> None:
-        for r in self.router.replicas():
-            if r.replica_id == rid and r.is_alive:
-                log.error("replica %s is down: %s", rid, why)
-                self.router.mark_dead(rid)
-        self.channels.drop(rid)  # its requests end now, not when (if ever) the socket notices
 
     # ---- requests ----------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        placement = await self.router.acquire(request)
+        """The request's deltas. If its replicas fail it (one dies, stalls or
+        its KV transfer fails), it is placed again, resuming after the tokens
+        already streamed, up to ``health.migration_limit`` times: the client
+        sees one stream. Each placement runs under its own attempt id on the
+        replicas, so what is left of an earlier one never collides with it."""
+        rid = request.request_id
         routed_at = time.time()
-        rid = request.request_id
         params = engine_params(request)
-        ids = request.prompt_token_ids
-        decode, prefill = placement.decode_replica, placement.prefill_replica
-        finished = False
-        try:
+        emitted: list[int] = []  # the tokens the client has
+        causes: list[str] = []  # why each migration happened
+        num_unreachable = 0
+        while True:
             try:
-                inbox = self.channels.open(rid, [decode] + ([prefill] if prefill else []))
-            except ChannelError as e:
-                raise NoReplicaError(str(e)) from e
+                placement = await self.router.acquire(request)
+            except (NoReplicaError, OverloadedError) as e:
+                if not causes:
+                    raise
+                yield _lost(rid, causes, f"no replica to migrate to: {e}")
+                return
+            attempt = rid if not causes and not num_unreachable else f"{rid}#{len(causes) + num_unreachable}"
+            self._attempts[rid] = (attempt, placement)
+            finished = False
             try:
-                if prefill is None:
-                    self.channels.send(decode, Submit(rid, ids, params))
-                else:  # the prompt starts computing while the decode replica reserves its blocks
-                    self.channels.send(prefill, Prefill(rid, ids, params))
-                    self.channels.send(decode, Reserve(rid, ids, params))
-            except ChannelError as e:
-                raise NoReplicaError(str(e)) from e
-            async for delta in self._deltas(request, inbox, placement, routed_at):
-                finished = delta.finish_reason is not None
-                yield delta
-                if finished:
+                inbox = self._start_attempt(attempt, placement, request.prompt_token_ids, params, emitted)
+                async for delta in self._deltas(request, attempt, inbox, placement, routed_at):
+                    if attempt != rid:
+                        delta.request_id = rid
+                    emitted.extend(delta.token_ids)
+                    if delta.is_finished:
+                        finished = True
+                        delta.migrations = tuple(causes)
+                    yield delta
+                    if finished:
+                        return
+            except ChannelError as e:  # the placement could not reach a replica: try another, not a migration
+                num_unreachable += 1
+                if num_unreachable > max(3, len(self.replicas)):
+                    if not emitted:
+                        raise NoReplicaError(str(e)) from e
+                    yield _lost(rid, causes, str(e))
                     return
-        finally:
-            self.router.release(placement)
-            self.channels.close(rid)
-            if not finished:  # the consumer went away, or we failed: free everything
-                self._abort_on(rid, placement)
+                log.warning("request %s: %s; placing it again", rid, e)
+            except _ReplicaFailure as f:
+                why = self._why_not_migrate(causes, emitted)
+                if why:
+                    yield _lost(rid, causes + [f.cause], f"{f.error} ({why})")
+                    return
+                causes.append(f.cause)
+                log.warning("request %s: %s; migrating it after %d tokens (migration %d of %d)", rid, f.error,
+                            len(emitted), len(causes), self.health.migration_limit)
+            finally:
+                self.router.release(placement)
+                self.channels.close(attempt)
+                if not finished:  # the consumer went away, or the replicas failed it: free what they hold
+                    self._abort_on(attempt, placement)
+                if self._attempts.get(rid, (None,))[0] == attempt:
+                    del self._attempts[rid]
 
-    async def _deltas(self, request: GenerateRequest, inbox: asyncio.Queue, placement,
+    def _start_attempt(self, attempt: str, placement: Placement, prompt: list[int], params,
+                       emitted: list[int]) -> asyncio.Queue:
+        """Open the attempt's inbox and send its first commands (raises ChannelError)."""
+        decode, prefill = placement.decode_replica, placement.prefill_replica
+        inbox = self.channels.open(attempt, [decode] + ([prefill] if prefill else []))
+        try:
+            if prefill is None:
+                self.channels.send(decode, Submit(attempt, prompt, params, list(emitted)))
+            else:  # the prompt starts computing while the decode replica reserves its blocks
+                self.channels.send(prefill, Prefill(attempt, prompt, params, list(emitted)))
+                self.channels.send(decode, Reserve(attempt, prompt, params, list(emitted)))
+        except ChannelError:
+            self.channels.close(attempt)
+            raise
+        return inbox
+
+    def _why_not_migrate(self, causes: list[str], emitted: list[int]) -> str | None:
+        limit = self.health.migration_limit
+        if len(causes) >= limit:
+            return f"migrations exhausted: {len(causes)} of {limit}" if limit else "migration is off"
+        if len(emitted) > self.health.migration_max_tokens:
+            return (f"{len(emitted)} tokens produced, more than router.migration_max_tokens "
+                    f"({self.health.migration_max_tokens}) to migrate")
+        return None
+
+    async def _deltas(self, request: GenerateRequest, rid: str, inbox: asyncio.Queue, placement,
                       routed_at: float) -> AsyncIterator[GenerateDelta]:
-        """The request's deltas as its replicas send them, up to the one that finishes it."""
-        rid = request.request_id
+        """One attempt's deltas as its replicas send them, up to the one that
+        finishes it. Raises `_ReplicaFailure` when the replicas fail it."""
         decode, prefill = placement.decode_replica, placement.prefill_replica
         done: PrefillDone | None = None  # the prefill replica's word that the request is over there
         cached_tokens = 0
@@ -191,10 +193,11 @@ class RayBackend:
             try:
                 event = await asyncio.wait_for(inbox.get(), self.stall_timeout_s)
             except asyncio.TimeoutError:
-                yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
-                                    error=f"no word from the replicas for {self.stall_timeout_s:.0f}s")
-                return
+                raise _ReplicaFailure("stalled", f"no word from the replicas for {self.stall_timeout_s:.0f}s")
             if isinstance(event, GenerateDelta):
+                if event.finish_reason is FinishReason.ERROR:  # the replica failed it (a refusal is a Refused)
+                    raise _ReplicaFailure("kv_transfer_failed" if "KV transfer" in (event.error or "")
+                                          else "replica_error", event.error or "the replica failed the request")
                 if not has_first and event.token_ids:
                     overtaking.append(event)
                     continue
@@ -209,19 +212,16 @@ class RayBackend:
             elif isinstance(event, PrefillDone):
                 done = event
                 if not done.ok:
-                    self._send(decode, Fail(rid, f"prefill failed: {done.error}"))
+                    raise _ReplicaFailure("kv_transfer_failed", f"prefill failed: {done.error}")
                 continue
             elif isinstance(event, Refused):  # a replica could not take a command of this request
                 yield GenerateDelta(rid, finish_reason=FinishReason.ERROR, error=event.error)
                 return
             elif isinstance(event, Lost):
                 if event.replica_id == decode:
-                    yield GenerateDelta(rid, finish_reason=FinishReason.ERROR,
-                                        error=f"decode replica {decode} died mid-stream")
-                    return
+                    raise _ReplicaFailure("decode_lost", f"decode replica {decode} died mid-stream")
                 if not has_first:  # the prefill replica went before the first token: the KV will not come
-                    overtaking.clear()
-                    self._send(decode, Fail(rid, f"prefill replica {prefill} died"))
+                    raise _ReplicaFailure("prefill_lost", f"prefill replica {prefill} died before the first token")
                 continue
             else:
                 log.error("request %s: an event of unknown type %s", rid, type(event).__name__)
@@ -292,11 +292,19 @@ class RayBackend:
         return traces
 
     async def abort(self, request_id: str) -> None:
-        for replica in self.replicas:
-            self._send(replica, Abort(request_id))
+        attempt, placement = self._attempts.get(request_id, (request_id, None))
+        for replica in placement.replica_ids if placement is not None else self.replicas:
+            self._send(replica, Abort(attempt))
 
     async def status(self) -> ClusterStatus:
-        return ClusterStatus(self.model_name, self.mode, self.router.replica_statuses(), self.router.num_waiting)
+        return ClusterStatus(self.model_name, self.mode, tuple(self.watch.status(s) for s in self.router.replica_statuses()),
+                             self.router.num_waiting)
+
+
+def _lost(rid: str, causes: list[str], error: str) -> GenerateDelta:
+    """The last delta of a request its replicas' failures ended."""
+    return GenerateDelta(rid, finish_reason=FinishReason.ERROR, error=f"request lost: {error}",
+                         migrations=tuple(causes[:-1]) if causes else (), lost_cause=causes[-1] if causes else "")
 
 
 def _queued_done(inbox: asyncio.Queue) -> PrefillDone | None:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.types import Stage
 from engine.config import EngineConfig
@@ -185,6 +186,25 @@ class RouterSpec(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0)
     max_inflight_per_replica: int | None = Field(None, ge=1)  # None: the stage's max_num_seqs
     seed: int = 0  # power_of_two's RNG
+    # A request whose replica dies, stalls or fails its KV transfer is placed
+    # again on a healthy pair, resuming after the tokens its client has, up to
+    # this many times (0: never; the request then ends UNAVAILABLE).
+    migration_limit: int = Field(3, ge=0, le=100)
+    # ... and only while it has produced at most this many tokens (each
+    # migration computes them again with the prompt)
+    migration_max_tokens: int = Field(8192, ge=0, le=1 << 24)
+
+
+class HealthSpec(_Strict):
+    """How the frontend watches the replicas and replaces the ones that fail."""
+
+    # a replica that does not answer its load poll for this long is taken out
+    # of the router and its requests migrate
+    heartbeat_timeout_s: float = Field(2.0, gt=0, le=600)
+    # a replica stalled this long, dead, or whose loop died is replaced
+    replace_after_s: float = Field(10.0, gt=0, le=3600)
+    restart_budget: int = Field(3, ge=0, le=1000)  # replacements per replica; past it the replica stays failed
+    restart_backoff_s: float = Field(1.0, ge=0, le=600)  # before the n-th replacement: backoff * 2**(n-1)
 
 
 class TLSSpec(_Strict):
@@ -301,6 +321,7 @@ class Spec(_Strict):
     colocated: StageSpec = Field(default_factory=StageSpec)
     transfer: TransferSpec = Field(default_factory=TransferSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
@@ -448,6 +469,7 @@ class ClusterConfig:
     ray_address: str | None
     ray_namespace: str
     profile: ProfileConfig | None = None  # a profiler window at startup
+    health: HealthConfig = HealthConfig()
 
 
 def split_spec(spec: Spec) -> ClusterConfig:
@@ -478,5 +500,8 @@ def split_spec(spec: Spec) -> ClusterConfig:
     )
     p = spec.profile
     profile = ProfileConfig(p.dir, p.seconds, p.delay_s, p.with_stack) if p is not None else None
+    h = spec.health
+    health = HealthConfig(r.migration_limit, r.migration_max_tokens, h.heartbeat_timeout_s, h.replace_after_s,
+                          h.restart_budget, h.restart_backoff_s)
     return ClusterConfig(spec.model, spec.dtype, spec.mode, stages, transfer, router, frontend,
-                         spec.ray.address, spec.ray.namespace, profile)
+                         spec.ray.address, spec.ray.namespace, profile, health)

@@ -84,6 +84,9 @@ class ReplicaStatus:
     num_in_flight: int = 0  # requests the router placed here and not yet released
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    state: str = "serving"  # serving | stalled | restarting | failed (cluster.replicas.ReplicaState)
+    num_restarts: int = 0  # times the replica was replaced
+    last_error: str = ""  # why it last left the router
 
     @property
     def kv_usage(self) -> float:

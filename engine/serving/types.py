@@ -141,6 +141,8 @@ class GenerateDelta:
     timings: StageTimings | None = None  # the producing replica's, on the last delta
     stage_metrics: StageMetrics | None = None  # set by the backend, on the last delta only
     timeline: RequestTimeline | None = None  # set by the backend when the request asked for it
+    migrations: tuple[str, ...] = ()  # set by the backend: why each migration happened (last delta)
+    lost_cause: str = ""  # set by the backend: the replica failure that ended the request (last delta)
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,6 @@
-"""The backend's per-request loop (`RayBackend._deltas`): what it forwards to
-the client and what it tells the replicas, for each event a request's
+"""The backend's per-request loop (`RayBackend._deltas`, one placement of a
+request): what it forwards to the client, what it tells the replicas, and
+which failures it hands back for migration, for each event a request's
 replicas can send. The replicas are scripted ends of real request channels
 (they record the commands they get); the events are put in the request's
 inbox in the order each test needs, as the channel server would."""
@@ -10,11 +11,11 @@ import queue
 
 import pytest
 
-from cluster.ray_backend import RayBackend
+from cluster.ray_backend import RayBackend, _ReplicaFailure
 from cluster.router import Placement, Router, RouterConfig
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest
 from engine.serving.channel import ChannelClient
-from engine.serving.frames import Attach, Fail, FirstToken, Lost, PrefillDone, Refused, TicketReady
+from engine.serving.frames import Attach, FirstToken, Lost, PrefillDone, Refused, TicketReady
 from engine.serving.types import StageTimings
 
 RID = "r1"
@@ -47,8 +48,11 @@ async def _run(script, timeline: bool = False, stall_timeout_s: float = 30.0):
     out = []
 
     async def consume():
-        async for d in backend._deltas(request, inbox, PLACEMENT, 0.0):
-            out.append(d)
+        try:
+            async for d in backend._deltas(request, RID, inbox, PLACEMENT, 0.0):
+                out.append(d)
+        except _ReplicaFailure as f:
+            out.append(f)
     task = asyncio.create_task(consume())
     loop = asyncio.get_running_loop()
     await run(None, script, lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event), prefill, decode)
@@ -92,22 +96,23 @@ def test_a_decode_delta_that_overtakes_the_first_token_waits_for_it():
     assert [d.token_ids for d in out] == [[7], [8], [9], [10]]
 
 
-def test_a_failed_prefill_fails_the_decode_side_and_its_error_reaches_the_client():
+@pytest.mark.parametrize("events, cause, error", [
+    ([done("KV transfer failed: receiver lost")], "kv_transfer_failed", "prefill failed: KV transfer failed"),
+    ([Lost("prefill-0")], "prefill_lost", "prefill replica prefill-0 died before the first token"),
+    ([FirstToken(delta([7], "a")), Lost("decode-0")], "decode_lost", "decode replica decode-0 died mid-stream"),
+    ([FirstToken(delta([7], "a")), delta([], "", FinishReason.ERROR, error="KV transfer failed: lease expired")],
+     "kv_transfer_failed", "KV transfer failed: lease expired"),
+    ([FirstToken(delta([7], "a")), delta([], "", FinishReason.ERROR, error="decode-0 failed: loop died")],
+     "replica_error", "decode-0 failed: loop died"),
+], ids=["prefill-failed", "prefill-lost", "decode-lost", "decode-transfer-failed", "decode-error"])
+def test_a_replica_failure_is_handed_back_for_migration_with_its_cause(events, cause, error):
     def script(put, prefill, decode):
-        put(done("KV transfer failed: receiver lost"))
-        assert decode.command() == Fail(RID, "prefill failed: KV transfer failed: receiver lost")
-        put(delta([], "", FinishReason.ERROR, error="prefill failed: KV transfer failed: receiver lost"))
+        for e in events:
+            put(e)
     out = asyncio.run(_run(script))
-    assert len(out) == 1 and out[0].finish_reason is FinishReason.ERROR and "receiver lost" in out[0].error
-
-
-def test_a_prefill_replica_lost_before_the_first_token_fails_the_decode_side():
-    def script(put, prefill, decode):
-        put(Lost("prefill-0"))
-        assert decode.command() == Fail(RID, "prefill replica prefill-0 died")
-        put(delta([], "", FinishReason.ERROR, error="prefill replica prefill-0 died"))
-    out = asyncio.run(_run(script))
-    assert [d.finish_reason for d in out] == [FinishReason.ERROR]
+    failure = out[-1]
+    assert isinstance(failure, _ReplicaFailure) and failure.cause == cause and failure.error.startswith(error)
+    assert all(isinstance(d, GenerateDelta) and not d.is_finished for d in out[:-1])
 
 
 def test_a_prefill_replica_lost_after_the_first_token_changes_nothing():
@@ -120,22 +125,16 @@ def test_a_prefill_replica_lost_after_the_first_token_changes_nothing():
     assert out[-1].stage_metrics is None  # the prefill replica never reported
 
 
-@pytest.mark.parametrize("event, error", [
-    (Lost("decode-0"), "decode replica decode-0 died mid-stream"),
-    (Refused(RID, "prompt: too long"), "prompt: too long"),
-])
-def test_a_lost_decode_replica_or_a_refusal_ends_the_request_with_its_error(event, error):
+def test_a_refusal_ends_the_request_with_its_error_and_is_not_migrated():
     def script(put, prefill, decode):
-        put(FirstToken(delta([7], "a")))
-        put(event)
+        put(Refused(RID, "prompt: too long"))
     out = asyncio.run(_run(script))
-    assert [d.token_ids for d in out] == [[7], []]
-    assert out[-1].finish_reason is FinishReason.ERROR and out[-1].error == error
+    assert [d.finish_reason for d in out] == [FinishReason.ERROR] and out[0].error == "prompt: too long"
 
 
-def test_silence_past_the_stall_timeout_ends_the_request():
+def test_silence_past_the_stall_timeout_is_a_failure_of_the_replicas():
     out = asyncio.run(_run(lambda put, p, d: None, stall_timeout_s=0.2))
-    assert out[-1].finish_reason is FinishReason.ERROR and "no word" in out[-1].error
+    assert isinstance(out[-1], _ReplicaFailure) and out[-1].cause == "stalled"
 
 
 def test_a_timeline_waits_briefly_for_the_prefill_report():

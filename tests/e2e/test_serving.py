@@ -1,5 +1,6 @@
 """What a user of a running cluster meets: cancellation, bad input, routing,
-overload and a dead decode replica. Every test ends with all pools free."""
+overload, and a decode replica that dies or loses its channel (its requests
+migrate). Every test ends with all pools free."""
 from __future__ import annotations
 
 import threading
@@ -47,12 +48,16 @@ def test_a_one_token_request_gets_its_token_once(cluster):
     _replicas_free(cluster)
 
 
-def test_a_broken_request_channel_fails_its_requests_then_the_replica_serves_again(cluster):
+def test_a_broken_request_channel_migrates_its_requests_then_the_replica_serves_again(cluster):
     """A network fault between the frontend and a live decode replica: the
-    request on it ends with UNAVAILABLE (not a hang), its blocks come back on
-    both sides, and the replica is placed on again once its channel is redialled."""
-    stream = cluster.client.stream("Tell me a long story about a dragon.", **LONG)
-    assert next(stream).token_ids
+    request on it migrates to the other pair and its stream goes on token for
+    token (greedy: equal to an unfaulted run), its blocks come back on both
+    sides, and the replica is placed on again once its channel is redialled."""
+    prompt = "Tell me a long story about a dragon."
+    want = cluster.client.generate(prompt, **LONG)
+    stream = cluster.client.stream(prompt, **LONG)
+    got = list(next(stream).token_ids)
+    assert got
     deadline = time.monotonic() + 30
     while not (busy := [r.replica_id for r in cluster.client.status().replicas
                         if r.replica_id.startswith("decode") and r.num_running_seqs > 0]):
@@ -63,10 +68,9 @@ def test_a_broken_request_channel_fails_its_requests_then_the_replica_serves_aga
     async def break_channel():
         cluster.cluster.backend.channels.drop(busy[0])
     cluster.run(break_channel())
-    with pytest.raises(KVRelayError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and busy[0] in str(err.value)
+    chunks = list(stream)
+    got += [t for c in chunks for t in c.token_ids]
+    assert got == list(want.token_ids) and chunks[-1].finish_reason.value == "length"
     deadline = time.monotonic() + 30
     while not {r.replica_id: r.is_alive for r in cluster.client.status().replicas}[busy[0]]:
         assert time.monotonic() < deadline, "the replica was not placed on again"
@@ -192,17 +196,21 @@ def test_overload_queues_then_refuses_and_answers_everyone(ray_instance):
         _replicas_free(rc)
 
 
-def test_killed_decode_replica_fails_its_requests_and_the_cluster_keeps_serving(ray_instance):
+def test_a_killed_decode_replica_loses_no_request_and_is_replaced(ray_instance):
+    """SIGKILL-like death of a decode replica mid-stream (Ray kills its
+    process): every request on it migrates and finishes with the unfaulted
+    greedy tokens, the replica is replaced and serves again, every pool ends free."""
     import ray
 
     spec = disagg_spec(1, 2, "grpc", router={"policy": "round_robin"})
     with running_cluster(spec) as rc:
+        prompts = [f"Story {i}: once upon a time" for i in range(6)]
+        want = {i: list(rc.client.generate(p, **LONG).token_ids) for i, p in enumerate(prompts)}
         results = {}
 
         def one(i):
             try:
-                c = rc.client.generate(f"Story {i}: once upon a time", **LONG)
-                results[i] = c.finish_reason.value
+                results[i] = list(rc.client.generate(prompts[i], **LONG).token_ids)
             except KVRelayError as e:
                 results[i] = e.code
 
@@ -219,14 +227,13 @@ def test_killed_decode_replica_fails_its_requests_and_the_cluster_keeps_serving(
         ray.kill(rc.actor("decode-0"), no_restart=True)
         for t in threads:
             t.join(120)
-        ended = time.monotonic() - t_kill
-        failed = [r for r in results.values() if r == grpc.StatusCode.UNAVAILABLE]
-        done = [r for r in results.values() if r == "length"]
-        assert len(results) == 6 and failed and done, results
-        assert ended < 90
-        # the cluster keeps serving on the remaining replicas
+        assert time.monotonic() - t_kill < 90
+        assert results == want  # none lost, none wrong
+        deadline = time.monotonic() + 60
+        while not (st := {r.replica_id: r for r in rc.client.status().replicas})["decode-0"].is_alive:
+            assert time.monotonic() < deadline, f"decode-0 was not replaced: {st['decode-0']}"
+            time.sleep(0.2)
+        assert st["decode-0"].num_restarts == 1 and st["decode-1"].is_alive
         for _ in range(3):
             assert rc.client.generate("Hello there", max_tokens=8, temperature=0).finish_reason is not None
-        status = {r.replica_id: r.is_alive for r in rc.client.status().replicas}
-        assert status["decode-0"] is False and status["decode-1"] is True
-        assert rc.wait_pools_free(["prefill-0", "decode-1"]) == {"prefill-0": True, "decode-1": True}
+        _replicas_free(rc)

@@ -195,7 +195,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage")
+    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage", "state", "restarts", "last_error")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,9 @@ class ReplicaStatus(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     stage: str
     alive: bool
@@ -214,7 +217,10 @@ class ReplicaStatus(_message.Message):
     free_blocks: int
     total_blocks: int
     kv_usage: float
-    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    state: str
+    restarts: int
+    last_error: str
+    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "mode", "replicas", "waiting")
