@@ -5,7 +5,9 @@ Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
 1. `Reserve`: blocks for the prompt are taken from the pool and registered
    with the KV receiver; the ticket (endpoint, block ids, lease) goes back
    to the frontend in a `TicketReady`, which passes it on to the prefill
-   replica.                                                [transferring]
+   replica. While the pool is short, reservations wait in arrival order
+   (a lease at most, then they are refused).                    [waiting]
+                                                           [transferring]
 2. Each loop round polls the receiver. DONE: the sequence is admitted with
    its first token, which the prefill replica sampled and already sent to
    the client (`EngineCore.admit_prefilled`; the detokenizer is primed
@@ -23,6 +25,10 @@ mode (and conditional disaggregation for short prompts).
 """
 from __future__ import annotations
 
+import time
+from collections import deque
+
+from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineConfig
 from engine.core import StepOutput
 from engine.kv_cache import model_fingerprint
@@ -48,6 +54,8 @@ class DecodeStage(StageLoop):
             self.receiver = KVReceiver(core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
                                        receiver)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
+        # reservations waiting for free blocks, oldest first: (sequence, channel, deadline)
+        self._waiting: deque[tuple[Sequence, object, float]] = deque()
         super().__init__(replica_id, core, tokenizer)
 
     @property
@@ -80,19 +88,42 @@ class DecodeStage(StageLoop):
             seq = Sequence(rid, list(frame.prompt_token_ids), frame.params,
                            output_token_ids=list(frame.output_token_ids))
             self.core.check_prompt(seq.token_ids, frame.params.max_tokens - seq.num_output_tokens)
-            ticket = self.receiver.reserve(rid, seq.num_tokens, self.lease_s)  # the KV of every token so far
         except Exception as e:
             self._refuse(ch, rid, e)
             return
-        self._incoming[rid] = seq
-        ch.send(TicketReady(rid, ticket))
+        self._waiting.append((seq, ch, time.monotonic() + self.lease_s))
+        self._reserve_waiting()
+
+    def _reserve_waiting(self) -> None:
+        """Reserve blocks for the waiting reservations, oldest first, while
+        the pool has them; one that waited a whole lease is refused."""
+        while self._waiting:
+            seq, ch, deadline = self._waiting[0]
+            try:
+                ticket = self.receiver.reserve(seq.request_id, seq.num_tokens, self.lease_s)  # every token so far
+            except NoFreeBlocksError as e:
+                if time.monotonic() < deadline:
+                    return  # blocks come back as requests end
+                self._waiting.popleft()
+                self._refuse(ch, seq.request_id, f"no KV blocks free for {self.lease_s:g}s: {e}")
+                continue
+            except Exception as e:
+                self._waiting.popleft()
+                self._refuse(ch, seq.request_id, e)
+                continue
+            self._waiting.popleft()
+            self._incoming[seq.request_id] = seq
+            ch.send(TicketReady(seq.request_id, ticket))
 
     def _release(self, request_id: str) -> None:
         if self._incoming.pop(request_id, None) is not None:
             self.receiver.abort(request_id)  # frees the reserved blocks; the next poll() reaps it
+        self._waiting = deque(w for w in self._waiting if w[0].request_id != request_id)
         super()._release(request_id)
 
     def _iterate(self) -> bool:
+        if self._waiting:
+            self._reserve_waiting()
         if self.receiver is not None:
             with phase(RECEIVER_POLL):
                 results = self.receiver.poll()
@@ -122,11 +153,11 @@ class DecodeStage(StageLoop):
             self.emit_outputs([StepOutput(seq, [])])
 
     def _has_pending(self) -> bool:
-        return bool(self._incoming)
+        return bool(self._incoming or self._waiting)
 
     def _on_stop(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
 
     def _snapshot_load(self) -> LoadReport:
-        return self.core.load(self.replica_id, num_incoming=len(self._incoming))
+        return self.core.load(self.replica_id, num_incoming=len(self._incoming) + len(self._waiting))

@@ -184,6 +184,8 @@ class KVSender:
             fn(*args)
         except Exception as e:  # never let the worker die; fail the transfer instead
             if isinstance(ob, Outbound):
+                if ob.link is not None:  # its transport raised: the next transfer gets a new link
+                    ob.link.is_broken = True
                 self._fail(ob, f"sender error: {type(e).__name__}: {e}")
 
     def _send_pending(self, pending: dict[Outbound, list[int]]) -> None:

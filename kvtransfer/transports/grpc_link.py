@@ -115,6 +115,7 @@ class GrpcControl(Link):
         return self._call(self.stub.Renew, pb.RenewRequest(transfer_id=transfer_id, lease_s=lease_s))
 
     def close(self) -> None:
+        self.is_broken = True  # a closed link is replaced on the next transfer, never reused
         self.channel.close()
 
 

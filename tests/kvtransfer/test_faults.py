@@ -414,3 +414,34 @@ def test_hook_calls_after_a_failed_send_are_ignored(receiver):
     assert received.status == "FAILED"
     tx.close()
     assert rx.pool.is_fully_free() and src_pool.is_fully_free()
+
+
+@pytest.mark.parametrize("transport", NETWORK)
+def test_a_link_closed_under_the_sender_is_replaced_on_the_next_transfer(receiver, transport):
+    """A link that was closed (its connection cut) is never reused: the next
+    transfer to the same receiver opens a new one and is DONE."""
+    rx, spec = receiver(transport)
+    src_pool = BlockPool(8)
+    src_kv = make_source(spec, 3, num_blocks=8)
+    tx = KVSender(make_fingerprint(spec), SenderConfig(SECRET))
+
+    def transfer(rid):
+        ticket = rx.reserve(rid, 20)
+        src = src_pool.allocate(2)
+        tx.start(ticket, src_kv, src, 20)
+        for layer in range(spec.num_layers):
+            tx.push_layer(rid, layer)
+        tx.commit(rid, 5)
+        [sent] = wait_results(tx, count=1)
+        [received] = wait_results(rx, count=1)
+        src_pool.free(src)
+        if received.status == "DONE":
+            rx.pool.free(rx.release(rid))
+        return sent.status, received.status
+
+    assert transfer("a") == ("DONE", "DONE")
+    for link in list(tx._links.values()):
+        link.close()  # the connection goes away under the sender
+    assert transfer("b") == ("DONE", "DONE")
+    tx.close()
+    assert rx.pool.is_fully_free() and src_pool.is_fully_free()

@@ -252,3 +252,34 @@ def test_a_request_resumed_after_some_of_its_tokens_goes_on_as_if_uninterrupted(
     assert want.token_ids[:4] + [t for d in deltas for t in d.token_ids] == want.token_ids
     assert "".join(texts[:4]) + "".join(d.text for d in deltas) == want.text
     assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_reservation_waits_for_blocks_while_the_pool_is_short(reference, stages):
+    """A decode replica whose pool is full queues a reservation (instead of
+    refusing it) and answers it once blocks come back; an abort while it
+    waits leaves nothing behind."""
+    prefill, decode = stages
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    big = random_prompts(1, 96, [312], seed=13)[0]  # its KV: 20 of the 64 blocks
+    for rid in ("big", "big-2", "big-3"):  # 4 blocks left
+        decode.send(Reserve(rid, big, long))
+        assert isinstance(decode.next(rid), TicketReady)
+    p = random_prompts(1, 96, [100], seed=14)[0]  # 7 blocks
+    decode.send(Reserve("small", p, GREEDY))
+    decode.send(Reserve("gone", p, GREEDY))
+    time.sleep(0.3)
+    assert decode.channel.inbox("small").empty()  # waiting, not refused
+    decode.send(Abort("gone"))
+    decode.send(Abort("big"))  # its blocks come back: the oldest waiting reservation gets them
+    assert [d.finish_reason for d in decode.stream("big")] == [FinishReason.ABORT]
+    ticket = decode.next("small")
+    assert isinstance(ticket, TicketReady)
+    assert [d.finish_reason for d in decode.stream("gone")] == [FinishReason.ABORT]
+    for rid in ("big-2", "big-3"):
+        decode.send(Abort(rid))
+    prefill.send(Prefill("small", p, GREEDY))
+    prefill.send(Attach("small", ticket.ticket))
+    first, _ = prefill.until("small", FirstToken)
+    deltas = decode.stream("small")
+    assert _ids(first, deltas) == reference.generate([p], GREEDY)[0].token_ids
+    assert wait_free(prefill.stage, decode.stage)
