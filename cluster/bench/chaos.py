@@ -162,8 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--fault-interval-s", type=float, default=None,
-                   help="seconds between faults (default: the run's expected length over the faults + 1)")
+    p.add_argument("--fault-interval-s", type=float, default=20.0, help="seconds between faults")
     p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     args = p.parse_args(argv)
 
@@ -175,10 +174,8 @@ def main(argv=None) -> int:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     params = dict(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     with running_cluster(chaos_spec()) as cluster:
-        t0 = time.monotonic()
         reference = ({q: list(cluster.client.generate(q, **params).token_ids) for q in PROMPTS},
                      {q: http_stream(cluster.http_port, q, params)[0] for q in PROMPTS})
-        per_token = (time.monotonic() - t0) / (2 * len(PROMPTS) * args.max_tokens) / args.concurrency * 2
         outcomes: list[Outcome] = []
         lock = threading.Lock()
         next_i = [0]
@@ -198,7 +195,7 @@ def main(argv=None) -> int:
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
         for t in threads:
             t.start()
-        interval = args.fault_interval_s or max(8.0, args.requests * args.max_tokens * per_token / len(FAULTS))
+        interval = args.fault_interval_s
         faults = []  # (name, replica, time, time serving again, migrations during)
         for name, (replica, inject) in FAULTS.items():
             time.sleep(interval / 2)
@@ -207,7 +204,7 @@ def main(argv=None) -> int:
             m0 = _metric(cluster, "kvrelay_request_migrations_total")
             at = time.monotonic()
             inject(cluster, replica)
-            back = _serving_again(cluster, replica, at)
+            back = _back_after(cluster, replica, at)
             time.sleep(interval / 2)
             faults.append((name, replica, at, back, _metric(cluster, "kvrelay_request_migrations_total") - m0))
         for t in threads:
@@ -217,6 +214,11 @@ def main(argv=None) -> int:
         leaked = {rid: free for rid, free in cluster.wait_pools_free(timeout_s=60).items() if not free}
         lost = _metric(cluster, "kvrelay_requests_lost_total")
     ray.shutdown()
+    # the time per token under this load, unfaulted: requests that ended before the first fault
+    first_fault = faults[0][2] if faults else float("inf")
+    gaps = [(o.progress[-1] - o.progress[0]) / (len(o.progress) - 1) for o in outcomes
+            if o.end is not None and o.end < first_fault and len(o.progress) > 1]
+    per_token = statistics.median(gaps) if gaps else float("nan")
     table = report(outcomes, faults, reference, args, per_token, hung, leaked, lost, wall)
     print(table)
     if args.write:
@@ -226,15 +228,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def _serving_again(cluster, replica_id: str, since: float, timeout_s: float = 120) -> float | None:
-    deadline = since + timeout_s
-    time.sleep(0.5)
-    while time.monotonic() < deadline:
+def _back_after(cluster, replica_id: str, since: float, timeout_s: float = 120) -> float | None:
+    """When the replica served again after the fault took it out of the router
+    (None if it never left: the fault did not need it to)."""
+    def serving() -> bool:
         st = {r.replica_id: r for r in cluster.client.status().replicas}[replica_id]
-        if st.is_alive and st.state == "serving":
+        return st.is_alive and st.state == "serving"
+    left_by = since + HEALTH["heartbeat_timeout_s"] + 2.0
+    while serving():
+        if time.monotonic() > left_by:
+            return None
+        time.sleep(0.05)
+    while time.monotonic() < since + timeout_s:
+        if serving():
             return time.monotonic()
         time.sleep(0.1)
-    return None
+    return float("inf")
 
 
 def _metric(cluster, name: str) -> float:
@@ -263,7 +272,7 @@ def report(outcomes, faults, reference, args, per_token, hung, leaked, lost, wal
         rows.append(f"| {name} ({replica}) | {len(hit)} | {len(ok)} | {migrated:.0f} | "
                     f"{', '.join(f'{k} {v}' for k, v in sorted(failed.items())) or '0'} | {len(wrong)} | "
                     f"{_pct(beyond, 0.99):.2f} / {max(beyond, default=float('nan')):.2f} | "
-                    f"{(back - at) if back else float('nan'):.1f} |")
+                    f"{'not taken out' if back is None else f'{back - at:.1f}'} |")
     total_wrong = sum(o.code == "ok" and not is_right(o, reference) for o in outcomes)
     total_failed = sum(o.code != "ok" for o in outcomes)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -275,7 +284,8 @@ at a time) on 2 prefill + 2 decode replicas (the default model, fp32, grpc trans
 another; every output checked against its prompt's unfaulted greedy output (tokens over gRPC, text over HTTP).
 "In flight" counts every request running at the fault, on the faulted replica or not; "beyond" is the time
 from the fault to the request's end minus its own remaining decode time (tokens left × {per_token * 1000:.0f} ms,
-the cluster's time per token under this load, unfaulted).
+the median time per token of the requests that ended before the first fault); "serving again" is from the
+fault to the replica's return to the router (replaced, or back from a stop).
 
 | fault (replica) | in flight | finished right | migrated | failed (by code) | wrong | beyond, p99 / max (s) | serving again after (s) |
 |---|---|---|---|---|---|---|---|
