@@ -426,6 +426,7 @@ class FrontendConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no auth
+    health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ def test_failure_mid_request(served):
     client = served.client()
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model="echo", prompt="hello world")
-    assert info.value.status_code == 500 and "replica d0 died" in info.value.message
+    assert info.value.status_code == 503 and "replica d0 died" in info.value.message
     got = []
     with pytest.raises(openai.APIError, match="replica d0 died"):
         for chunk in client.completions.create(model="echo", prompt="hello world", stream=True):
