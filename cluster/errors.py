@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import reprlib
 import threading
 import time
 from dataclasses import dataclass
@@ -84,14 +85,25 @@ def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 
 def quote(value: object, limit: int = MAX_QUOTE_CHARS) -> str:
-    """``repr(value)``, shortened to about ``limit`` characters, for quoting input inside an error."""
+    """``repr(value)``, shortened to about ``limit`` characters, for quoting input inside an error.
+
+    Bounded in time too: containers are shown a few levels and items deep
+    (YAML aliases can make a small file a huge or deep object).
+    """
+    short = reprlib.Repr()
+    short.maxlevel = 3
+    short.maxtuple = short.maxlist = short.maxarray = short.maxdict = short.maxset = short.maxfrozenset = 4
+    short.maxdeque = 4
+    short.maxstring = short.maxlong = short.maxother = limit
     try:
-        text = repr(value)
-    except ValueError:  # an int past Python's limit on digits
+        text = short.repr(value)
+    except (ValueError, RecursionError):  # an int past Python's limit on digits
         return f"<a {type(value).__name__} too long to show>"
-    if len(text) <= limit:
+    if isinstance(value, str) and len(value) > limit:
+        return f"{text}... ({len(value)} characters)"
+    if len(text) <= limit + 8:
         return text
-    return f"{text[:limit]}... ({len(text)} characters)"
+    return f"{text[:limit]}..."
 
 
 class RateLimitedLog:

@@ -19,6 +19,7 @@ import time
 
 from cluster.frontends import Frontends, serve_frontends
 from cluster.ray_backend import RayBackend
+from cluster.ray_join import init_ray
 from cluster.router import Router
 from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
 from cluster.types import Stage
@@ -59,17 +60,17 @@ class Cluster:
 
         cfg = self.config
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address, namespace=cfg.ray_namespace, log_to_driver=True)
+            init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
             self._started_ray = True
         # Convert a GGUF once, here, so replicas don't race to do it.
         self.model_dir = str(resolve_model(cfg.model))
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
-        # a joined cluster may span hosts: receivers listen on every interface
-        # and advertise their host's address
+        # a joined cluster may span hosts: receivers bind where the spec's
+        # network section says (default: their node's own address)
         self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
-        receiver = dataclasses.replace(transfer.receiver, host="0.0.0.0" if self._is_joined else "127.0.0.1")
+        receiver = cfg.network.receiver_config(transfer.receiver, self._is_joined)
         for stage, sc in cfg.stages.items():
             cls = ray.remote(_stage_class(stage))
             for i in range(sc.num_replicas):

@@ -13,7 +13,8 @@ Example (every field has a default, so ``{}`` is a valid spec)::
     decode:  {replicas: 1, num_kv_blocks: 512}
     transfer: {backend: grpc}
     router: {policy: least_loaded}
-    frontend: {grpc_port: 50051, http_port: 8000}
+    frontend: {grpc_port: 50051, http_port: 8000}   # host 127.0.0.1 unless it says 0.0.0.0
+    network: {kv_ports: {first: 30100, last: 30131}}
 """
 from __future__ import annotations
 
@@ -25,12 +26,33 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.errors import clip, quote
 from cluster.router import RouterConfig
 from cluster.types import Stage
 from engine.config import EngineConfig
 from kvtransfer.config import MAX_CHUNK_BYTES, GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Upper bounds: past these a value is a typo or an attack, not a deployment
+# (and some would overflow a C int or a timer). Floats must be finite.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_REPLICAS = 4096
+MAX_CPUS = 1 << 16
+MAX_GPUS = 1 << 12
+MAX_SEQS = 1 << 16
+MAX_TOKENS = 1 << 24  # batched tokens per step, or a model's context
+MAX_BLOCK_SIZE = 1 << 12
+MAX_KV_BLOCKS = 1 << 28
+MAX_MEMORY_GB = float(1 << 16)
+MAX_THREADS = 1 << 14
+MAX_WINDOW = 1 << 14
+MAX_CHANNELS = 256
+MAX_QUEUE = 1 << 24
+MAX_SEED = (1 << 63) - 1
+MAX_YAML_DEPTH = 32  # the spec itself is 4 deep; deeper is refused before it is parsed into objects
+MAX_SPEC_BYTES = 1 << 20
+MAX_PROBLEMS = 50  # a SpecError lists at most this many, then how many more
 
 
 class SpecError(ValueError):
@@ -44,14 +66,15 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: no bool for an int, no string for a number (YAML reads 1e40 as a string)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 class Resources(_Strict):
     """Ray resources of one worker process (one per tensor-parallel rank)."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, le=MAX_CPUS)
+    num_gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
     custom: dict[str, float] = Field(default_factory=dict)  # e.g. {"node:10.0.0.2": 0.01}
 
     @field_validator("custom")
@@ -70,15 +93,15 @@ class StageSpec(_Strict):
     the engine sizes its cache from its default memory budget.
     """
 
-    replicas: int = Field(1, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
     resources: Resources = Field(default_factory=Resources)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS)
+    max_num_batched_tokens: int = Field(2048, ge=1, le=MAX_TOKENS)
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE)
+    num_kv_blocks: int | None = Field(None, ge=1, le=MAX_KV_BLOCKS)
+    kv_cache_memory_gb: float | None = Field(None, gt=0, le=MAX_MEMORY_GB)
+    max_model_len: int | None = Field(None, ge=1, le=MAX_TOKENS)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU replicas: no CUDA graphs for decode steps
     # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
@@ -131,20 +154,20 @@ class StageSpec(_Strict):
 class TransferOptions(_Strict):
     """Every knob of the KV transfer; each goes to the senders' or the receivers' config, or both."""
 
-    lease_s: float = Field(30.0, gt=0)  # reserved blocks whose KV never came are freed after this
-    deadline_s: float = Field(60.0, gt=0)  # a transfer ends DONE or FAILED within this
+    lease_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # reserved blocks whose KV never came are freed after this
+    deadline_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # a transfer ends DONE or FAILED within this
     checksum: bool = False  # verify each chunk's checksum on receipt
-    connect_timeout_s: float = Field(10.0, gt=0)  # a sender opening and authenticating a link to a receiver
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # a sender opening and authenticating a link to a receiver
     # a chunk the receiver does not acknowledge within this fails its link (nccl: the receiver waits
     # as long for an announced chunk's bytes)
-    chunk_timeout_s: float = Field(30.0, gt=0)
+    chunk_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
     max_chunk_bytes: int = Field(4 << 20, ge=1, le=MAX_CHUNK_BYTES)  # per message; a chunk holds at least one block
-    progress_timeout_s: float = Field(10.0, gt=0)  # each chunk that lands extends the lease to at least this
-    max_workers: int = Field(256, ge=1)  # a receiver's handler threads: one per open grpc Push stream or call
+    progress_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # each chunk that lands extends the lease to at least this
+    max_workers: int = Field(256, ge=1, le=MAX_THREADS)  # a receiver's handler threads: one per open grpc Push stream or call
     # chunks in flight per link; None: the backend's own (grpc 16, nccl 32)
-    window: int | None = Field(None, ge=1)
-    num_channels: int = Field(2, ge=1)  # grpc: connections per link, each its own socket and Push stream
-    stream_idle_s: float = Field(2.0, gt=0)  # grpc: a Push stream closes after this long without a chunk
+    window: int | None = Field(None, ge=1, le=MAX_WINDOW)
+    num_channels: int = Field(2, ge=1, le=MAX_CHANNELS)  # grpc: connections per link, each its own socket and Push stream
+    stream_idle_s: float = Field(2.0, gt=0, le=MAX_SECONDS)  # grpc: a Push stream closes after this long without a chunk
 
 
 _BACKEND_OPTIONS = {"window": ("grpc", "nccl"), "num_channels": ("grpc",), "stream_idle_s": ("grpc",)}
@@ -181,10 +204,41 @@ class TransferSpec(_Strict):
 
 class RouterSpec(_Strict):
     policy: Literal["round_robin", "least_loaded", "power_of_two", "prefix_aware"] = "least_loaded"
-    max_queue: int = Field(256, ge=0)  # requests waiting for capacity; 0 refuses at once
-    queue_timeout_s: float = Field(30.0, gt=0)
-    max_inflight_per_replica: int | None = Field(None, ge=1)  # None: the stage's max_num_seqs
-    seed: int = 0  # power_of_two's RNG
+    max_queue: int = Field(256, ge=0, le=MAX_QUEUE)  # requests waiting for capacity; 0 refuses at once
+    queue_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    max_inflight_per_replica: int | None = Field(None, ge=1, le=MAX_SEQS)  # None: the stage's max_num_seqs
+    seed: int = Field(0, ge=0, le=MAX_SEED)  # power_of_two's RNG
+
+
+class PortRange(_Strict):
+    """Ports ``first`` to ``last``, both included; each listener takes the first free one."""
+
+    first: int = Field(ge=1, le=65535)
+    last: int = Field(ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PortRange":
+        if self.last < self.first:
+            raise ValueError(f"last ({self.last}) must be >= first ({self.first})")
+        return self
+
+
+class NetworkSpec(_Strict):
+    """Where the cluster's own listeners bind (not the frontends: see ``frontend``).
+
+    Two kinds, both refusing any peer that does not prove the cluster secret:
+    the request channel (one, in the frontend's process; every replica dials
+    it) and the KV receiver (one per decode replica; prefill replicas dial
+    it). ``host`` None binds loopback when kvrelay starts its own Ray, and
+    the node's own address when joined to a Ray cluster; ``0.0.0.0`` binds
+    every interface. Port ranges let a firewall open exactly these ports;
+    a range must hold one port per listener on a node (e.g. its decode
+    replicas). deploy/README.md says what must be reachable from where.
+    """
+
+    host: str | None = Field(None, min_length=1, max_length=253)
+    channel_ports: PortRange | None = None  # None: any free port
+    kv_ports: PortRange | None = None  # None: any free port
 
 
 class TLSSpec(_Strict):
@@ -193,10 +247,11 @@ class TLSSpec(_Strict):
 
 
 class FrontendSpec(_Strict):
-    host: str = "0.0.0.0"
+    host: str = Field("127.0.0.1", min_length=1, max_length=253)  # "0.0.0.0": every interface (opt in)
     grpc_port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
     tls: TLSSpec | None = None
+    health_interval_s: float = Field(1.0, gt=0, le=60)  # gRPC health re-checks the replicas this often
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "FrontendSpec":
@@ -283,7 +338,7 @@ class ProfileSpec(_Strict):
 
     dir: str = Field(min_length=1)
     seconds: float = Field(gt=0, le=600)
-    delay_s: float = Field(0.0, ge=0)  # wait this long after startup (e.g. for a load generator to start)
+    delay_s: float = Field(0.0, ge=0, le=MAX_SECONDS)  # wait this long after startup (e.g. for a load generator to start)
     with_stack: bool = False  # record Python stacks too (larger traces, slower)
 
 
@@ -293,7 +348,7 @@ class RaySpec(_Strict):
 
 
 class Spec(_Strict):
-    model: str = DEFAULT_MODEL  # a checkpoint folder, a GGUF file, or the default model's name
+    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)  # a checkpoint folder, a GGUF file, or the default model's name
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: StageSpec = Field(default_factory=StageSpec)
@@ -304,6 +359,7 @@ class Spec(_Strict):
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     profile: ProfileSpec | None = None  # None: no profile at startup
 
     @model_validator(mode="after")
@@ -346,12 +402,15 @@ class Spec(_Strict):
 def format_errors(err: ValidationError) -> list[str]:
     """pydantic's errors as ``"<dotted.path>: <message>"`` lines."""
     out = []
-    for e in err.errors(include_url=False):
-        path = ".".join(str(p) for p in e["loc"])
+    found = err.errors(include_url=False)
+    for e in found[:MAX_PROBLEMS]:
+        path = clip(".".join(str(p) for p in e["loc"]), 200)
         if not path and e["type"] == "value_error":  # a whole-spec check; its lines carry their paths
             out.extend(_message(e).splitlines())
         else:
             out.append(f"{path or '(top level)'}: {_message(e)}")
+    if len(found) > MAX_PROBLEMS:
+        out.append(f"... and {len(found) - MAX_PROBLEMS} more problems")
     return out
 
 
@@ -366,28 +425,85 @@ def _message(e: dict[str, Any]) -> str:
               "less_than_equal": "<=", "less_than": "<"}[kind]
         bound = next(iter(ctx.values()))
         bound = f"{bound:g}" if isinstance(bound, float) else bound
-        return f"must be {op} {bound}, got {e['input']!r}"
+        return f"must be {op} {bound}, got {quote(e['input'])}"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {e['input']!r}"
+        return f"must be one of {ctx.get('expected')}, got {quote(e['input'])}"
     if kind == "value_error":
-        return str(ctx.get("error", e["msg"]))
-    return f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}" if "input" in e else e["msg"]
+        return clip(str(ctx.get("error", e["msg"])), 512)
+    if kind in ("int_type", "float_type") and isinstance(e.get("input"), str) and _is_number(e["input"]):
+        what = "an integer" if kind == "int_type" else "a number"
+        return f"must be {what}, got the string {quote(e['input'])} (YAML 1.1 reads 1e40 as text: write 1.0e+40)"
+    return f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {quote(e['input'])}" if "input" in e else e["msg"]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_spec(path: str | os.PathLike) -> Spec:
-    """Read and validate a YAML spec file."""
+    """Read and validate a YAML spec file.
+
+    Every way a file can be wrong is a SpecError naming the file: unreadable,
+    larger than MAX_SPEC_BYTES, not UTF-8, not YAML, nested deeper than
+    MAX_YAML_DEPTH, or not a valid spec.
+    """
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError([f"cannot read {path}: {e.strerror or e}"]) from None
+    return parse_spec(raw, str(path))
+
+
+def parse_spec(raw: bytes | str, source: str | None = None) -> Spec:
+    """Validate a spec's YAML text (see `load_spec`)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError([f"(file): larger than {MAX_SPEC_BYTES} bytes; a spec is a few hundred"], source)
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise SpecError([f"(file): not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line})"],
+                        source) from None
+    try:
+        _check_depth(text)
         data = yaml.safe_load(text)
+    except SpecError as e:
+        raise SpecError(e.problems, source) from None
     except yaml.YAMLError as e:
-        raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+        raise SpecError([f"not valid YAML: {clip(str(e), 512)}"], source) from None
+    except ValueError as e:  # an integer past Python's limit on digits
+        raise SpecError([f"not a usable YAML value: {clip(str(e).split(';')[0], 200)}"], source) from None
+    except RecursionError:
+        raise SpecError(["(file): nested too deeply to read"], source) from None
     if data is not None and not isinstance(data, dict):
-        raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], str(path))
-    return Spec.from_dict(data, str(path))
+        raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], source)
+    return Spec.from_dict(data, source)
+
+
+def _check_depth(text: str) -> None:
+    """Refuse YAML nested deeper than MAX_YAML_DEPTH, naming where; before anything recursive reads it.
+
+    PyYAML's parser is iterative; its composer and constructor recurse, and
+    past ~500 levels raise RecursionError.
+    """
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                mark = event.start_mark
+                raise SpecError([f"(file): nested deeper than {MAX_YAML_DEPTH} levels at line {mark.line + 1}, "
+                                 f"column {mark.column + 1}"])
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
 
 
 # ---- per-component configs ---------------------------------------------------
@@ -430,6 +546,34 @@ class FrontendConfig:
 
 
 @dataclass(frozen=True)
+class NetworkConfig:
+    """Where the request channel and the KV receivers bind (`NetworkSpec`); the launcher applies it.
+
+    ``host`` None: loopback when kvrelay started its own Ray, else the node's
+    own address (each receiver finds its node's where it starts).
+    """
+
+    host: str | None = None
+    channel_ports: tuple[int, int] | None = None  # (first, last); None: any free port
+    kv_ports: tuple[int, int] | None = None
+
+    def receiver_config(self, receiver: ReceiverConfig, is_joined: bool) -> ReceiverConfig:
+        """``receiver`` with this bind address and port range."""
+        host = self.host if self.host is not None else (None if is_joined else "127.0.0.1")
+        first, last = self.kv_ports or (0, None)
+        return replace(receiver, host=host, port=first, port_max=last)
+
+    def channel_bind(self, is_joined: bool, node_address: str) -> tuple[str, str | None, tuple[int, int] | None]:
+        """The request channel's (bind host, advertised host or None, port range or None)."""
+        if self.host is not None:
+            host = self.host
+        else:
+            host = node_address if is_joined else "127.0.0.1"
+        advertise = node_address if host in ("0.0.0.0", "::") else None
+        return host, advertise, self.channel_ports
+
+
+@dataclass(frozen=True)
 class ProfileConfig:
     out_dir: str
     seconds: float
@@ -449,6 +593,7 @@ class ClusterConfig:
     ray_address: str | None
     ray_namespace: str
     profile: ProfileConfig | None = None  # a profiler window at startup
+    network: NetworkConfig = NetworkConfig()
 
 
 def split_spec(spec: Spec) -> ClusterConfig:
@@ -475,9 +620,12 @@ def split_spec(spec: Spec) -> ClusterConfig:
     frontend = FrontendConfig(
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
-        api_keys=tuple(spec.auth.resolve_api_keys()),
+        api_keys=tuple(spec.auth.resolve_api_keys()), health_interval_s=f.health_interval_s,
     )
+    n = spec.network
+    ports = lambda r: None if r is None else (r.first, r.last)  # noqa: E731
+    network = NetworkConfig(n.host, ports(n.channel_ports), ports(n.kv_ports))
     p = spec.profile
     profile = ProfileConfig(p.dir, p.seconds, p.delay_s, p.with_stack) if p is not None else None
     return ClusterConfig(spec.model, spec.dtype, spec.mode, stages, transfer, router, frontend,
-                         spec.ray.address, spec.ray.namespace, profile)
+                         spec.ray.address, spec.ray.namespace, profile, network)
