@@ -193,7 +193,7 @@ async def _abort(context: grpc.aio.ServicerContext, failure: errors.Failure) -> 
 
 
 def method_handlers(servicer: KVRelayServicer) -> grpc.GenericRpcHandler:
-    """The KVRelay service's handlers, as the generated code makes them, except that Generate gets raw bytes."""
+    """The KVRelay service's handlers, as the generated code makes them, except that each parses its own bytes."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString),
@@ -202,9 +202,22 @@ def method_handlers(servicer: KVRelayServicer) -> grpc.GenericRpcHandler:
                               ("GetStatus", pb.GetStatusRequest, pb.GetStatusResponse),
                               ("Profile", pb.ProfileRequest, pb.ProfileResponse)):
         handlers[name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=kind.FromString,
+            _parsed(getattr(servicer, name), kind), request_deserializer=None,
             response_serializer=reply.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _parsed(method, kind):
+    """``method`` behind a parse of its raw request bytes: junk gets INVALID_ARGUMENT (grpcio's own: UNKNOWN)."""
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = kind.FromString(raw)
+        except DecodeError as e:
+            _log_junk("%s: %d bytes that are not a %s from %s (%s)", method.__name__, len(raw), kind.__name__,
+                      context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {kind.__name__} message")
+        return await method(request, context)
+    return handler
 
 
 def timeline_to_proto(t: RequestTimeline) -> pb.RequestTimeline:

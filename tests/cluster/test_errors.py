@@ -152,6 +152,16 @@ def test_undecodable_generate_bytes_are_invalid_argument_logged_once(served, cap
     assert not served.backend.requests
 
 
+@pytest.mark.parametrize("method", ["GetStatus", "ListModels", "Profile"])
+def test_undecodable_bytes_on_any_rpc_are_invalid_argument(served, method):
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        call = channel.unary_unary(f"/kvrelay.v1.KVRelay/{method}", request_serializer=None,
+                                   response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff", timeout=10)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in info.value.details()
+
+
 def test_status_leaves_a_dead_replicas_load_unset(served):
     with KVRelayClient(served.grpc_target) as client:
         c0, c1 = client.status().replicas

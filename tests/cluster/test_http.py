@@ -395,6 +395,8 @@ def test_metrics_after_requests(served):
     assert _count(after, "kvrelay_replica_up", stage="colocated", replica="c0") == 1
     assert _count(after, "kvrelay_replica_up", stage="colocated", replica="c1") == 0
     assert _count(after, "kvrelay_replica_kv_usage_ratio", stage="colocated", replica="c0") == pytest.approx(0.25)
+    dead = (("replica", "c1"), ("stage", "colocated"))  # c1's stale report (7 running, 90% KV) is left out
+    assert [name for name, labels in after if labels == dead] == ["kvrelay_replica_up"]
     assert _count(after, "kvrelay_requests_in_flight", frontend="http") == 0
     assert ("kvrelay_router_waiting_requests", ()) in after
 
