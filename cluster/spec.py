@@ -1,7 +1,8 @@
 """The YAML cluster spec: one file describes a deployment.
 
 The spec is validated once, on load; every problem is reported with its path
-(``decode.replicas: must be >= 1``) in one `SpecError`. `split_spec` then cuts
+(``decode.replicas: must be >= 1``) in one `SpecError` (`cluster.spec_errors`;
+the file's YAML is read by `cluster.spec_yaml`). `split_spec` then cuts
 it into the small configs each component gets, so no component sees the
 whole spec.
 
@@ -23,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.errors import clip, quote
 from cluster.router import RouterConfig
+from cluster.spec_errors import SpecError, format_errors
+from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
 from kvtransfer.config import MAX_CHUNK_BYTES, GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
@@ -50,19 +51,6 @@ MAX_WINDOW = 1 << 14
 MAX_CHANNELS = 256
 MAX_QUEUE = 1 << 24
 MAX_SEED = (1 << 63) - 1
-MAX_YAML_DEPTH = 32  # the spec itself is 4 deep; deeper is refused before it is parsed into objects
-MAX_SPEC_BYTES = 1 << 20
-MAX_PROBLEMS = 50  # a SpecError lists at most this many, then how many more
-
-
-class SpecError(ValueError):
-    """The spec is invalid. ``problems`` holds one ``"<path>: <message>"`` per error."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = problems
-        self.source = source
-        head = f"invalid cluster spec {source}" if source else "invalid cluster spec"
-        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
 
 
 class _Strict(BaseModel):
@@ -157,17 +145,22 @@ class TransferOptions(_Strict):
     lease_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # reserved blocks whose KV never came are freed after this
     deadline_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # a transfer ends DONE or FAILED within this
     checksum: bool = False  # verify each chunk's checksum on receipt
-    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # a sender opening and authenticating a link to a receiver
+    # a sender opening and authenticating a link to a receiver
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)
     # a chunk the receiver does not acknowledge within this fails its link (nccl: the receiver waits
     # as long for an announced chunk's bytes)
     chunk_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
     max_chunk_bytes: int = Field(4 << 20, ge=1, le=MAX_CHUNK_BYTES)  # per message; a chunk holds at least one block
-    progress_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # each chunk that lands extends the lease to at least this
-    max_workers: int = Field(256, ge=1, le=MAX_THREADS)  # a receiver's handler threads: one per open grpc Push stream or call
+    # each chunk that lands extends the lease to at least this
+    progress_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    # a receiver's handler threads: one per open grpc Push stream or call
+    max_workers: int = Field(256, ge=1, le=MAX_THREADS)
     # chunks in flight per link; None: the backend's own (grpc 16, nccl 32)
     window: int | None = Field(None, ge=1, le=MAX_WINDOW)
-    num_channels: int = Field(2, ge=1, le=MAX_CHANNELS)  # grpc: connections per link, each its own socket and Push stream
-    stream_idle_s: float = Field(2.0, gt=0, le=MAX_SECONDS)  # grpc: a Push stream closes after this long without a chunk
+    # grpc: connections per link, each its own socket and Push stream
+    num_channels: int = Field(2, ge=1, le=MAX_CHANNELS)
+    # grpc: a Push stream closes after this long without a chunk
+    stream_idle_s: float = Field(2.0, gt=0, le=MAX_SECONDS)
 
 
 _BACKEND_OPTIONS = {"window": ("grpc", "nccl"), "num_channels": ("grpc",), "stream_idle_s": ("grpc",)}
@@ -338,7 +331,8 @@ class ProfileSpec(_Strict):
 
     dir: str = Field(min_length=1)
     seconds: float = Field(gt=0, le=600)
-    delay_s: float = Field(0.0, ge=0, le=MAX_SECONDS)  # wait this long after startup (e.g. for a load generator to start)
+    # wait this long after startup (e.g. for a load generator to start)
+    delay_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     with_stack: bool = False  # record Python stacks too (larger traces, slower)
 
 
@@ -348,7 +342,8 @@ class RaySpec(_Strict):
 
 
 class Spec(_Strict):
-    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)  # a checkpoint folder, a GGUF file, or the default model's name
+    # a checkpoint folder, a GGUF file, or the default model's name
+    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: StageSpec = Field(default_factory=StageSpec)
@@ -399,58 +394,8 @@ class Spec(_Strict):
             raise SpecError(e.problems, source) from None
 
 
-def format_errors(err: ValidationError) -> list[str]:
-    """pydantic's errors as ``"<dotted.path>: <message>"`` lines."""
-    out = []
-    found = err.errors(include_url=False)
-    for e in found[:MAX_PROBLEMS]:
-        path = clip(".".join(str(p) for p in e["loc"]), 200)
-        if not path and e["type"] == "value_error":  # a whole-spec check; its lines carry their paths
-            out.extend(_message(e).splitlines())
-        else:
-            out.append(f"{path or '(top level)'}: {_message(e)}")
-    if len(found) > MAX_PROBLEMS:
-        out.append(f"... and {len(found) - MAX_PROBLEMS} more problems")
-    return out
-
-
-def _message(e: dict[str, Any]) -> str:
-    kind, ctx = e["type"], e.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return "unknown field"
-    if kind == "missing":
-        return "required field is missing"
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">",
-              "less_than_equal": "<=", "less_than": "<"}[kind]
-        bound = next(iter(ctx.values()))
-        bound = f"{bound:g}" if isinstance(bound, float) else bound
-        return f"must be {op} {bound}, got {quote(e['input'])}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {quote(e['input'])}"
-    if kind == "value_error":
-        return clip(str(ctx.get("error", e["msg"])), 512)
-    if kind in ("int_type", "float_type") and isinstance(e.get("input"), str) and _is_number(e["input"]):
-        what = "an integer" if kind == "int_type" else "a number"
-        return f"must be {what}, got the string {quote(e['input'])} (YAML 1.1 reads 1e40 as text: write 1.0e+40)"
-    return f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {quote(e['input'])}" if "input" in e else e["msg"]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def load_spec(path: str | os.PathLike) -> Spec:
-    """Read and validate a YAML spec file.
-
-    Every way a file can be wrong is a SpecError naming the file: unreadable,
-    larger than MAX_SPEC_BYTES, not UTF-8, not YAML, nested deeper than
-    MAX_YAML_DEPTH, or not a valid spec.
-    """
+    """Read and validate a YAML spec file; every problem (unreadable, not YAML, ...) is a SpecError naming it."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -461,49 +406,11 @@ def load_spec(path: str | os.PathLike) -> Spec:
 
 
 def parse_spec(raw: bytes | str, source: str | None = None) -> Spec:
-    """Validate a spec's YAML text (see `load_spec`)."""
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogatepass")
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError([f"(file): larger than {MAX_SPEC_BYTES} bytes; a spec is a few hundred"], source)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise SpecError([f"(file): not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line})"],
-                        source) from None
-    try:
-        _check_depth(text)
-        data = yaml.safe_load(text)
-    except SpecError as e:
-        raise SpecError(e.problems, source) from None
-    except yaml.YAMLError as e:
-        raise SpecError([f"not valid YAML: {clip(str(e), 512)}"], source) from None
-    except ValueError as e:  # an integer past Python's limit on digits
-        raise SpecError([f"not a usable YAML value: {clip(str(e).split(';')[0], 200)}"], source) from None
-    except RecursionError:
-        raise SpecError(["(file): nested too deeply to read"], source) from None
+    """Validate a spec's YAML text (`cluster.spec_yaml.read_yaml`, then `Spec`)."""
+    data = read_yaml(raw, source)
     if data is not None and not isinstance(data, dict):
         raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], source)
     return Spec.from_dict(data, source)
-
-
-def _check_depth(text: str) -> None:
-    """Refuse YAML nested deeper than MAX_YAML_DEPTH, naming where; before anything recursive reads it.
-
-    PyYAML's parser is iterative; its composer and constructor recurse, and
-    past ~500 levels raise RecursionError.
-    """
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_YAML_DEPTH:
-                mark = event.start_mark
-                raise SpecError([f"(file): nested deeper than {MAX_YAML_DEPTH} levels at line {mark.line + 1}, "
-                                 f"column {mark.column + 1}"])
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
 
 
 # ---- per-component configs ---------------------------------------------------
