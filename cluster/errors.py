@@ -52,6 +52,7 @@ class Failure:
     message: str
     field: str | None = None
     openai_code: str | None = None  # overrides the code's own (e.g. no_replica)
+    is_unexpected: bool = False  # an exception no refusal explains: the log should get its trace
 
     @property
     def is_retryable(self) -> bool:
@@ -68,7 +69,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure(Code.UNAVAILABLE, clip(str(exc)), openai_code="no_replica")
     if isinstance(exc, TimeoutError):
         return Failure(Code.DEADLINE_EXCEEDED, clip(f"request timed out: {exc}" if str(exc) else "request timed out"))
-    return Failure(Code.UNAVAILABLE, clip(f"request failed: {type(exc).__name__}: {exc}"), openai_code="request_failed")
+    return Failure(Code.UNAVAILABLE, clip(f"request failed: {type(exc).__name__}: {exc}"), openai_code="request_failed",
+                   is_unexpected=True)
 
 
 def request_failed(error: str | None) -> Failure:

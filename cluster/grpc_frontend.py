@@ -8,8 +8,8 @@ the metrics). If the client goes away, or the call fails, the request is
 aborted in the backend. Errors map to status codes as on the HTTP frontend
 (`cluster.errors`: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE for any
 failure inside the cluster, DEADLINE_EXCEEDED), a missing or wrong key to
-UNAUTHENTICATED, and bytes that are not a GenerateRequest to INVALID_ARGUMENT
-(logged at most once a minute, never a traceback per call).
+UNAUTHENTICATED, and bytes that are not the RPC's request message to
+INVALID_ARGUMENT (logged at most once a minute, never a traceback per call).
 
 The server also carries grpc.health.v1, following replica liveness as HTTP
 ``/health`` does (`cluster.health`), and server reflection v1 and v1alpha
@@ -57,17 +57,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         self._active: set[str] = set()
 
     # ---- RPCs ----------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext) -> None:
-        """``request`` arrives as bytes (see `method_handlers`), so that junk gets INVALID_ARGUMENT, not UNKNOWN."""
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await self._authenticate(context, count_refusal=True)
-        if isinstance(request, bytes):
-            try:
-                request = pb.GenerateRequest.FromString(request)
-            except DecodeError as e:
-                self.metrics.count_rejected("grpc", "invalid_request")
-                _log_junk("Generate: %d bytes that are not a GenerateRequest from %s (%s)",
-                          len(request), context.peer(), e)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest message")
         try:
             req = self._to_request(request)
         except InvalidRequestError as e:
@@ -95,7 +86,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             raise
         except Exception as e:  # the backend's refusals, and failures inside the cluster (the log gets the trace)
             failure = errors.classify(e)
-            if failure.code is errors.Code.UNAVAILABLE and failure.openai_code == "request_failed":
+            if failure.is_unexpected:
                 log.exception("request %s failed", req.request_id)
         finally:
             self._active.discard(req.request_id)
@@ -196,7 +187,8 @@ def method_handlers(servicer: KVRelayServicer) -> grpc.GenericRpcHandler:
     """The KVRelay service's handlers, as the generated code makes them, except that each parses its own bytes."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString),
+            _parsed(servicer.Generate, pb.GenerateRequest), request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString),
     }
     for name, kind, reply in (("ListModels", pb.ListModelsRequest, pb.ListModelsResponse),
                               ("GetStatus", pb.GetStatusRequest, pb.GetStatusResponse),

@@ -92,7 +92,7 @@ def _failed(failure: errors.Failure) -> web.Response:
 def _raised(req: GenerateRequest, e: Exception) -> errors.Failure:
     """The failure an exception from the backend stands for; a failure inside the cluster is logged."""
     failure = errors.classify(e)
-    if failure.openai_code == "request_failed":
+    if failure.is_unexpected:
         log.error("request %s failed", req.request_id, exc_info=e)
     return failure
 

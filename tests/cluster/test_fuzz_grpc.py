@@ -16,7 +16,7 @@ from protos.kvrelay.v1 import serving_pb2 as pb
 from tests.cluster.conftest import WORDS, EchoBackend, ServedFrontend
 from tests.cluster.test_http import wait_for
 
-EXAMPLES = 1200  # about 20 s
+EXAMPLES = 1000
 
 INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
 words = st.lists(st.sampled_from(WORDS + ["zebra", ""]), max_size=8).map(" ".join)

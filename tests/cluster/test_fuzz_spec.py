@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cluster.cli import main
 from cluster.spec import Spec, SpecError, parse_spec, split_spec
 
-EXAMPLES = 700  # per test
+EXAMPLES = 600  # per test
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SPECS = sorted(p.read_bytes() for p in DEPLOY.glob("*.yaml") if p.name != "kuberay-rayjob.yaml")
 
