@@ -75,7 +75,6 @@ def test_nonces_expire(receiver, monkeypatch):
     rx, spec = receiver()
     core = rx.core
     old = core.hello("10.0.0.9")
-    monkeypatch.setattr(receiver_core, "NONCE_TTL_S", 30.0)
     now = receiver_core.time.time()
     monkeypatch.setattr(receiver_core.time, "time", lambda: now + 31.0)
     core.hello("10.0.0.11")
