@@ -5,13 +5,16 @@ configured) → check the model → tokenize (text, or chat messages through the
 chat template, or token ids as given) → validate (`cluster.validation`) →
 stream the backend's deltas (`cluster.serving.run_request`, which also records
 the metrics). If the client goes away, or the call fails, the request is
-aborted in the backend. Errors map to status codes:
+aborted in the backend. Errors map to status codes as on the HTTP frontend
+(`cluster.errors`: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE for any
+failure inside the cluster, DEADLINE_EXCEEDED), a missing or wrong key to
+UNAUTHENTICATED, and bytes that are not the RPC's request message to
+INVALID_ARGUMENT (logged at most once a minute, never a traceback per call).
 
-    InvalidRequestError → INVALID_ARGUMENT     OverloadedError → RESOURCE_EXHAUSTED
-    missing/wrong key   → UNAUTHENTICATED      anything else   → UNAVAILABLE
-
-The server also carries grpc.health.v1 and server reflection. Protobuf stops
-here: the backend sees only `cluster.types`.
+The server also carries grpc.health.v1, following replica liveness as HTTP
+``/health`` does (`cluster.health`), and server reflection v1 and v1alpha
+(`cluster.reflection`). Protobuf stops here: the backend sees only
+`cluster.types`.
 """
 from __future__ import annotations
 
@@ -22,20 +25,23 @@ import uuid
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2_grpc
 
+from cluster import errors, reflection
 from cluster.backend import Backend
+from cluster.health import GrpcHealth
 from cluster.metrics import ServingMetrics
 from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.spec import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
-                           NoReplicaError, OverloadedError, RequestTimeline)
+                           RequestTimeline)
 from cluster.validation import check_model, check_request_id, validate_request
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+_log_junk = errors.RateLimitedLog(log)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
 MAX_PROFILE_S = 600.0
@@ -57,39 +63,35 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             req = self._to_request(request)
         except InvalidRequestError as e:
             self.metrics.count_rejected("grpc", "invalid_request")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, errors.classify(e))
         if req.request_id in self._active:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {req.request_id!r} is already running")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: {errors.quote(req.request_id)} is already running")
         self._active.add(req.request_id)
-        failure: tuple[grpc.StatusCode, str] | None = None
+        failure: errors.Failure | None = None
         try:
             num_generated = 0
             running = run_request(self.backend, req, self.metrics.start_request("grpc", req))
             async with contextlib.aclosing(running) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason is FinishReason.ERROR:
-                        failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {delta.error or 'unknown error'}")
+                        failure = errors.request_failed(delta.error)
                         break
                     num_generated += len(delta.token_ids)
                     await context.write(self._to_response(delta, req, num_generated))
                     if delta.finish_reason is not None:
                         break
-        except OverloadedError as e:
-            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except NoReplicaError as e:
-            failure = (grpc.StatusCode.UNAVAILABLE, str(e))
-        except InvalidRequestError as e:
-            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", req.request_id)
             raise
-        except Exception as e:  # a failure inside the cluster: the client gets UNAVAILABLE, the log the trace
-            log.exception("request %s failed", req.request_id)
-            failure = (grpc.StatusCode.UNAVAILABLE, f"request failed: {type(e).__name__}: {e}")
+        except Exception as e:  # the backend's refusals, and failures inside the cluster (the log gets the trace)
+            failure = errors.classify(e)
+            if failure.is_unexpected:
+                log.exception("request %s failed", req.request_id)
         finally:
             self._active.discard(req.request_id)
         if failure is not None:
-            await context.abort(*failure)
+            await _abort(context, failure)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         await self._authenticate(context)
@@ -103,7 +105,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             status = await self.backend.status()
         except Exception as e:
             log.exception("status failed")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"status failed: {type(e).__name__}: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, errors.clip(f"status failed: {type(e).__name__}: {e}"))
         return status_to_proto(status)
 
     async def Profile(self, request: pb.ProfileRequest, context: grpc.aio.ServicerContext) -> pb.ProfileResponse:
@@ -119,7 +121,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             traces = await profile(request.seconds, request.out_dir)
         except Exception as e:
             log.exception("profile failed")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"profile failed: {type(e).__name__}: {e}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                errors.clip(f"profile failed: {type(e).__name__}: {e}"))
         return pb.ProfileResponse(trace_files=[t.path for t in traces], traces=[
             pb.ProfileTrace(replica_id=t.replica_id, host=t.host, path=t.path) for t in traces])
 
@@ -176,20 +179,59 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         return resp
 
 
+async def _abort(context: grpc.aio.ServicerContext, failure: errors.Failure) -> None:
+    await context.abort(grpc.StatusCode[failure.code.grpc_name], failure.message)
+
+
+def method_handlers(servicer: KVRelayServicer) -> grpc.GenericRpcHandler:
+    """The KVRelay service's handlers, as the generated code makes them, except that each parses its own bytes."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _parsed(servicer.Generate, pb.GenerateRequest), request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+    }
+    for name, kind, reply in (("ListModels", pb.ListModelsRequest, pb.ListModelsResponse),
+                              ("GetStatus", pb.GetStatusRequest, pb.GetStatusResponse),
+                              ("Profile", pb.ProfileRequest, pb.ProfileResponse)):
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            _parsed(getattr(servicer, name), kind), request_deserializer=None,
+            response_serializer=reply.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _parsed(method, kind):
+    """``method`` behind a parse of its raw request bytes: junk gets INVALID_ARGUMENT (grpcio's own: UNKNOWN)."""
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = kind.FromString(raw)
+        except DecodeError as e:
+            _log_junk("%s: %d bytes that are not a %s from %s (%s)", method.__name__, len(raw), kind.__name__,
+                      context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {kind.__name__} message")
+        return await method(request, context)
+    return handler
+
+
 def timeline_to_proto(t: RequestTimeline) -> pb.RequestTimeline:
     return pb.RequestTimeline(**t.phases())
 
 
 def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
+    """The status; a dead replica's load fields stay unset (its last report is not its load now)."""
     return pb.GetStatusResponse(
         model=status.model_name, mode=status.mode, waiting=status.num_waiting,
-        replicas=[pb.ReplicaStatus(
-            replica_id=r.replica_id, stage=r.stage.value, alive=r.is_alive, running_seqs=r.num_running_seqs,
-            queued_prefill_tokens=r.num_queued_prefill_tokens, in_flight=r.num_in_flight,
-            free_blocks=r.num_free_blocks, total_blocks=r.num_total_blocks, kv_usage=r.kv_usage,
-            state=r.state, restarts=r.num_restarts, last_error=r.last_error,
-        ) for r in status.replicas],
+        replicas=[_replica_to_proto(r) for r in status.replicas],
     )
+
+
+def _replica_to_proto(r) -> pb.ReplicaStatus:
+    health = dict(state=r.state, restarts=r.num_restarts, last_error=r.last_error)
+    if not r.is_alive:
+        return pb.ReplicaStatus(replica_id=r.replica_id, stage=r.stage.value, alive=False, **health)
+    return pb.ReplicaStatus(
+        replica_id=r.replica_id, stage=r.stage.value, alive=True, running_seqs=r.num_running_seqs,
+        queued_prefill_tokens=r.num_queued_prefill_tokens, in_flight=r.num_in_flight,
+        free_blocks=r.num_free_blocks, total_blocks=r.num_total_blocks, kv_usage=r.kv_usage, **health)
 
 
 class GrpcFrontend:
@@ -198,7 +240,7 @@ class GrpcFrontend:
     def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
         self.config = config
         self.servicer = KVRelayServicer(backend, config.api_keys, metrics)
-        self.health = health.aio.HealthServicer()
+        self.health = GrpcHealth(backend, ("", SERVICE_NAME), config.health_interval_s)
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -206,9 +248,9 @@ class GrpcFrontend:
         """Bind and start serving; returns the bound port (useful with grpc_port 0)."""
         c = self.config
         server = grpc.aio.server()
-        pb_grpc.add_KVRelayServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
         address = f"{c.host}:{c.grpc_port}"
         if c.tls_cert_file:
             key, cert = Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes()
@@ -216,8 +258,7 @@ class GrpcFrontend:
         else:
             port = server.add_insecure_port(address)
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.start()
         self.server, self.port = server, port
         log.info("kvrelay gRPC frontend on %s:%d (%s)", c.host, port, "TLS" if c.tls_cert_file else "plaintext")
         return port
@@ -226,7 +267,7 @@ class GrpcFrontend:
         """Report NOT_SERVING, let running calls finish for ``grace`` seconds, then stop."""
         if self.server is None:
             return
-        await self.health.enter_graceful_shutdown()
+        await self.health.stop()
         await self.server.stop(grace)
         self.server = None
 

@@ -5,7 +5,8 @@ Endpoints:
     POST /v1/completions        prompt: a string, a list of one string, or token ids
     POST /v1/chat/completions   messages through the model's chat template
     GET  /v1/models, /v1/models/{id}
-    GET  /health                200 when every stage has a live replica, else 503 (no key needed)
+    GET  /health                200 when every stage has a live replica, else 503 (no key needed;
+                                the same rule as gRPC health, `cluster.health`)
     GET  /metrics               Prometheus text (no key needed)
 
 A completion: authenticate (``Authorization: Bearer <key>`` when keys are
@@ -19,9 +20,13 @@ param, code}}``:
 
     400 bad input (param names the field)   401 missing or wrong key
     404 unknown model or path               429 over capacity (OverloadedError)
-    503 no replica can serve (NoReplicaError)
-    500 the request failed inside the cluster; after a stream has started,
-        an ``data: {"error": ...}`` event instead
+    503 no replica can serve (NoReplicaError), or the request failed inside
+        the cluster; after a stream has started, a ``data: {"error": ...}``
+        event instead
+    504 a deadline passed
+    500 a bug in this frontend, never a failure of the cluster
+
+the same table as gRPC's (`cluster.errors`).
 
 An extension: ``"kvrelay_timeline": true`` in a completion body adds
 ``"kvrelay_timeline": {"routed_s": ..., "prefill_start_s": ..., ...}`` to the
@@ -45,18 +50,19 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from cluster import errors
+from cluster import health as health_check
 from cluster import openai_protocol as oai
 from cluster.backend import Backend
 from cluster.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.serving import ApiKeys, run_request
 from cluster.spec import FrontendConfig
-from cluster.types import (FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError, NoReplicaError,
-                           OverloadedError)
+from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20  # a long prompt sent as token ids
-STATUS_TIMEOUT_S = 5.0  # /health and /metrics wait this long for backend.status()
+STATUS_TIMEOUT_S = health_check.STATUS_TIMEOUT_S  # /health and /metrics wait this long for backend.status()
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -66,17 +72,29 @@ def _error(status: int, message: str, type_: str, param: str | None = None, code
 
 def _invalid(e: InvalidRequestError) -> web.Response:
     if e.field == "model":
-        return _error(404, str(e), "invalid_request_error", "model", "model_not_found")
-    return _error(400, str(e), "invalid_request_error", e.field)
+        return _error(404, errors.clip(str(e)), "invalid_request_error", "model", "model_not_found")
+    return _error(400, errors.clip(str(e)), "invalid_request_error", errors.clip(e.field, 128))
 
 
-def _failure_body(error: str | None) -> dict:
-    return oai.error_body(f"request failed: {error or 'unknown error'}", "server_error", code="request_failed")
+def _failure_body(failure: errors.Failure) -> dict:
+    return oai.error_body(failure.message, failure.code.openai_type, failure.field,
+                          failure.openai_code or failure.code.openai_code)
 
 
-def _failed(error: str | None) -> web.Response:
-    """A request that failed inside the cluster, before its response started."""
-    return web.json_response(_failure_body(error), status=500)
+def _failed(failure: errors.Failure) -> web.Response:
+    """A request refused, or failed inside the cluster, before its response started."""
+    if failure.code is errors.Code.INVALID_ARGUMENT:
+        return _error(400, failure.message, failure.code.openai_type, failure.field)
+    headers = {"Retry-After": "1"} if failure.is_retryable else None
+    return web.json_response(_failure_body(failure), status=failure.code.http_status, headers=headers)
+
+
+def _raised(req: GenerateRequest, e: Exception) -> errors.Failure:
+    """The failure an exception from the backend stands for; a failure inside the cluster is logged."""
+    failure = errors.classify(e)
+    if failure.is_unexpected:
+        log.error("request %s failed", req.request_id, exc_info=e)
+    return failure
 
 
 def _with_timeline(body: dict, req: GenerateRequest, delta: GenerateDelta) -> dict:
@@ -187,18 +205,12 @@ class HttpFrontend:
         async with contextlib.aclosing(running) as deltas:
             try:
                 first = await anext(deltas)
-            except OverloadedError as e:
-                return _error(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
-            except NoReplicaError as e:
-                return _error(503, str(e), "service_unavailable_error", code="no_replica",
-                              headers={"Retry-After": "1"})
             except InvalidRequestError as e:
                 return _invalid(e)
-            except Exception as e:
-                log.exception("request %s failed", req.request_id)
-                return _failed(f"{type(e).__name__}: {e}")
+            except Exception as e:  # the backend's refusals, and failures inside the cluster
+                return _failed(_raised(req, e))
             if first.finish_reason is FinishReason.ERROR:
-                return _failed(first.error)
+                return _failed(errors.request_failed(first.error))
             if body.stream:
                 return await self._stream(request, req, out, first, deltas)
             return await self._collect(req, out, first, deltas)
@@ -209,7 +221,7 @@ class HttpFrontend:
         parts, lps, num_tokens, delta = [], [], 0, first
         while True:
             if delta.finish_reason is FinishReason.ERROR:
-                return _failed(delta.error)
+                return _failed(errors.request_failed(delta.error))
             parts.append(delta.text)
             lps.extend(delta.logprobs or ())
             num_tokens += len(delta.token_ids)
@@ -218,8 +230,7 @@ class HttpFrontend:
             try:
                 delta = await anext(deltas)
             except Exception as e:
-                log.exception("request %s failed", req.request_id)
-                return _failed(f"{type(e).__name__}: {e}")
+                return _failed(_raised(req, e))
         usage = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
         return web.json_response(_with_timeline(out.response("".join(parts), delta.finish_reason, lps, usage),
                                                 req, delta))
@@ -238,7 +249,7 @@ class HttpFrontend:
         try:
             while True:
                 if delta.finish_reason is FinishReason.ERROR:
-                    await send(_failure_body(delta.error))
+                    await send(_failure_body(errors.request_failed(delta.error)))
                     break
                 num_tokens += len(delta.token_ids)
                 if delta.text or delta.logprobs or delta.finish_reason is not None or is_first:
@@ -253,8 +264,7 @@ class HttpFrontend:
                 try:
                     delta = await anext(deltas)
                 except Exception as e:
-                    log.exception("request %s failed", req.request_id)
-                    await send(_failure_body(f"{type(e).__name__}: {e}"))
+                    await send(_failure_body(_raised(req, e)))
                     break
             await send("[DONE]")
             await response.write_eof()
@@ -274,22 +284,14 @@ class HttpFrontend:
             return _error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
         if request.match_info["model"] != b.model_name:
-            return _error(404, f"model: unknown model {request.match_info['model']!r}; this server serves "
-                               f"{b.model_name!r}", "invalid_request_error", "model", "model_not_found")
+            return _error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
+                               f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
         return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created))
 
     async def health(self, request: web.Request) -> web.Response:
-        try:
-            status = await asyncio.wait_for(self.backend.status(), STATUS_TIMEOUT_S)
-        except Exception as e:
-            log.exception("status failed")
-            reason = f"status failed: {type(e).__name__}: {e}"
-            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
-        stages = {r.stage for r in status.replicas}
-        dead = sorted(s.value for s in stages if not any(r.is_alive for r in status.replicas if r.stage is s))
-        if not stages or dead:
-            reason = f"no live replica of stage {', '.join(dead)}" if dead else "no replicas"
-            return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        reason = await health_check.check(self.backend, STATUS_TIMEOUT_S)
+        if reason is not None:
+            return web.json_response({"status": "unavailable", "reason": errors.clip(reason)}, status=503)
         return web.json_response({"status": "ok"})
 
     async def scrape(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ import time
 
 from cluster.frontends import Frontends, serve_frontends
 from cluster.ray_backend import RayBackend
+from cluster.ray_join import init_ray
 from cluster.router import Router
 from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
 from cluster.types import Stage
@@ -59,17 +60,17 @@ class Cluster:
 
         cfg = self.config
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address, namespace=cfg.ray_namespace, log_to_driver=True)
+            init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
             self._started_ray = True
         # Convert a GGUF once, here, so replicas don't race to do it.
         self.model_dir = str(resolve_model(cfg.model))
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
-        # a joined cluster may span hosts: receivers listen on every interface
-        # and advertise their host's address
+        # a joined cluster may span hosts: receivers bind where the spec's
+        # network section says (default: their node's own address)
         self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
-        receiver = dataclasses.replace(transfer.receiver, host="0.0.0.0" if self._is_joined else "127.0.0.1")
+        receiver = cfg.network.receiver_config(transfer.receiver, self._is_joined)
         self._transfer_args = {Stage.PREFILL: transfer.sender, Stage.DECODE: receiver, Stage.COLOCATED: None}
         for stage, sc in cfg.stages.items():
             for i in range(sc.num_replicas):
@@ -134,17 +135,18 @@ class Cluster:
         max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
                       for sc in self.config.stages.values())
         tokenizer = Tokenizer.from_folder(self.model_dir)
-        # the request channel: on loopback, or, in a joined cluster, on every
-        # interface at this host's address (as the KV receivers are)
-        host, advertise = "127.0.0.1", None
+        # the request channel: on loopback, or, in a joined cluster, at this
+        # node's address (spec `network`: the bind host and port range)
+        node = "127.0.0.1"
         if self._is_joined:
             import ray
 
-            host, advertise = "0.0.0.0", ray.util.get_node_ip_address()
+            node = ray.util.get_node_ip_address()
+        host, advertise, ports = self.config.network.channel_bind(self._is_joined, node)
         self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
                                   model_config.vocab_size, Router(self.config.router), self.actors,
-                                  channel_host=host, channel_advertise_host=advertise, health=self.config.health,
-                                  respawn=self.respawn)
+                                  channel_host=host, channel_advertise_host=advertise, channel_ports=ports,
+                                  health=self.config.health, respawn=self.respawn)
         await self.backend.start()
         return self.backend
 

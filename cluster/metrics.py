@@ -74,7 +74,10 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
 
 
 class _StatusCollector:
-    """Replica and router gauges from the last `ClusterStatus` (`ServingMetrics.refresh`)."""
+    """Replica and router gauges from the last `ClusterStatus` (`ServingMetrics.refresh`).
+
+    A dead replica has only ``kvrelay_replica_up`` 0: its load series are left out.
+    """
 
     def __init__(self):
         self.status: ClusterStatus | None = None
@@ -86,7 +89,8 @@ class _StatusCollector:
         for name, doc, value in _REPLICA_GAUGES:
             family = GaugeMetricFamily(f"kvrelay_{name}", doc, labels=["stage", "replica"])
             for r in status.replicas:
-                family.add_metric([r.stage.value, r.replica_id], float(value(r)))
+                if r.is_alive or name == "replica_up":  # a dead replica's last load is not its load now
+                    family.add_metric([r.stage.value, r.replica_id], float(value(r)))
             yield family
         yield GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
                                 value=status.num_waiting)

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.backend import Backend, Tokenizer
+from cluster.errors import quote
 from cluster.serving import encode_chat, encode_text
 from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
 from cluster.validation import check_model, validate_request
@@ -102,7 +103,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
     for name, default in _UNSUPPORTED:
         value = getattr(body, name, None)
         if value is not None and value != default:
-            raise InvalidRequestError(name, f"not supported, got {value!r}")
+            raise InvalidRequestError(name, f"not supported, got {quote(value)}")
     if isinstance(body, ChatBody):
         token_ids = encode_chat(backend.tokenizer, _chat_messages(body.messages))
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -62,11 +62,12 @@ class RayBackend:
     def __init__(self, model_name: str, mode: str, tokenizer, max_model_len: int, vocab_size: int,
                  router: Router, replicas: dict[str, tuple[Stage, object]], load_interval_s: float = 0.05,
                  channel_host: str = "127.0.0.1", channel_advertise_host: str | None = None,
+                 channel_ports: tuple[int, int] | None = None,
                  connect_timeout_s: float = 60.0, stall_timeout_s: float = 600.0,
                  health: HealthConfig = HealthConfig(), respawn: Respawn | None = None):
         """``channel_host``: where the request channel (`engine.serving.channel`)
-        listens; replicas reach it at ``channel_advertise_host`` (default:
-        ``channel_host``). ``stall_timeout_s``: a request that hears nothing
+        listens (on the first free port of ``channel_ports``, None: any);
+        replicas reach it at ``channel_advertise_host`` (default: ``channel_host``). ``stall_timeout_s``: a request that hears nothing
         from its replicas for this long is taken from them (it migrates).
         ``health``: migration limits and how replicas are watched;
         ``respawn``: how the launcher replaces a replica (None: it does not)."""
@@ -80,7 +81,7 @@ class RayBackend:
         self.health = health
         self.stall_timeout_s = stall_timeout_s
         self.channels = ChannelServer(os.urandom(32), channel_host, channel_advertise_host,
-                                      on_lost=lambda rid: self.watch.lost_channel(rid))
+                                      on_lost=lambda rid: self.watch.lost_channel(rid), ports=channel_ports)
         self.watch = Replicas(router, self.channels, replicas, health, respawn, load_interval_s, connect_timeout_s)
         self._attempts: dict[str, tuple[str, Placement]] = {}  # request id -> its current (attempt id, placement)
 

@@ -1,7 +1,8 @@
 """The YAML cluster spec: one file describes a deployment.
 
 The spec is validated once, on load; every problem is reported with its path
-(``decode.replicas: must be >= 1``) in one `SpecError`. `split_spec` then cuts
+(``decode.replicas: must be >= 1``) in one `SpecError` (`cluster.spec_errors`;
+the file's YAML is read by `cluster.spec_yaml`). `split_spec` then cuts
 it into the small configs each component gets, so no component sees the
 whole spec.
 
@@ -13,7 +14,8 @@ Example (every field has a default, so ``{}`` is a valid spec)::
     decode:  {replicas: 1, num_kv_blocks: 512}
     transfer: {backend: grpc}
     router: {policy: least_loaded}
-    frontend: {grpc_port: 50051, http_port: 8000}
+    frontend: {grpc_port: 50051, http_port: 8000}   # host 127.0.0.1 unless it says 0.0.0.0
+    network: {kv_ports: {first: 30100, last: 30131}}
 """
 from __future__ import annotations
 
@@ -22,37 +24,46 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
+from cluster.spec_errors import SpecError, format_errors
+from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
 from kvtransfer.config import MAX_CHUNK_BYTES, GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
-
-class SpecError(ValueError):
-    """The spec is invalid. ``problems`` holds one ``"<path>: <message>"`` per error."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = problems
-        self.source = source
-        head = f"invalid cluster spec {source}" if source else "invalid cluster spec"
-        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
+# Upper bounds: past these a value is a typo or an attack, not a deployment
+# (and some would overflow a C int or a timer). Floats must be finite.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_REPLICAS = 4096
+MAX_CPUS = 1 << 16
+MAX_GPUS = 1 << 12
+MAX_SEQS = 1 << 16
+MAX_TOKENS = 1 << 24  # batched tokens per step, or a model's context
+MAX_BLOCK_SIZE = 1 << 12
+MAX_KV_BLOCKS = 1 << 28
+MAX_MEMORY_GB = float(1 << 16)
+MAX_THREADS = 1 << 14
+MAX_WINDOW = 1 << 14
+MAX_CHANNELS = 256
+MAX_QUEUE = 1 << 24
+MAX_SEED = (1 << 63) - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: no bool for an int, no string for a number (YAML reads 1e40 as a string)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 class Resources(_Strict):
     """Ray resources of one worker process (one per tensor-parallel rank)."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, le=MAX_CPUS)
+    num_gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
     custom: dict[str, float] = Field(default_factory=dict)  # e.g. {"node:10.0.0.2": 0.01}
 
     @field_validator("custom")
@@ -71,15 +82,15 @@ class StageSpec(_Strict):
     the engine sizes its cache from its default memory budget.
     """
 
-    replicas: int = Field(1, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
     resources: Resources = Field(default_factory=Resources)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS)
+    max_num_batched_tokens: int = Field(2048, ge=1, le=MAX_TOKENS)
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE)
+    num_kv_blocks: int | None = Field(None, ge=1, le=MAX_KV_BLOCKS)
+    kv_cache_memory_gb: float | None = Field(None, gt=0, le=MAX_MEMORY_GB)
+    max_model_len: int | None = Field(None, ge=1, le=MAX_TOKENS)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU replicas: no CUDA graphs for decode steps
     # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
@@ -132,20 +143,25 @@ class StageSpec(_Strict):
 class TransferOptions(_Strict):
     """Every knob of the KV transfer; each goes to the senders' or the receivers' config, or both."""
 
-    lease_s: float = Field(30.0, gt=0)  # reserved blocks whose KV never came are freed after this
-    deadline_s: float = Field(60.0, gt=0)  # a transfer ends DONE or FAILED within this
+    lease_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # reserved blocks whose KV never came are freed after this
+    deadline_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # a transfer ends DONE or FAILED within this
     checksum: bool = False  # verify each chunk's checksum on receipt
-    connect_timeout_s: float = Field(10.0, gt=0)  # a sender opening and authenticating a link to a receiver
+    # a sender opening and authenticating a link to a receiver
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)
     # a chunk the receiver does not acknowledge within this fails its link (nccl: the receiver waits
     # as long for an announced chunk's bytes)
-    chunk_timeout_s: float = Field(30.0, gt=0)
+    chunk_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
     max_chunk_bytes: int = Field(4 << 20, ge=1, le=MAX_CHUNK_BYTES)  # per message; a chunk holds at least one block
-    progress_timeout_s: float = Field(10.0, gt=0)  # each chunk that lands extends the lease to at least this
-    max_workers: int = Field(256, ge=1)  # a receiver's handler threads: one per open grpc Push stream or call
+    # each chunk that lands extends the lease to at least this
+    progress_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    # a receiver's handler threads: one per open grpc Push stream or call
+    max_workers: int = Field(256, ge=1, le=MAX_THREADS)
     # chunks in flight per link; None: the backend's own (grpc 16, nccl 32)
-    window: int | None = Field(None, ge=1)
-    num_channels: int = Field(2, ge=1)  # grpc: connections per link, each its own socket and Push stream
-    stream_idle_s: float = Field(2.0, gt=0)  # grpc: a Push stream closes after this long without a chunk
+    window: int | None = Field(None, ge=1, le=MAX_WINDOW)
+    # grpc: connections per link, each its own socket and Push stream
+    num_channels: int = Field(2, ge=1, le=MAX_CHANNELS)
+    # grpc: a Push stream closes after this long without a chunk
+    stream_idle_s: float = Field(2.0, gt=0, le=MAX_SECONDS)
 
 
 _BACKEND_OPTIONS = {"window": ("grpc", "nccl"), "num_channels": ("grpc",), "stream_idle_s": ("grpc",)}
@@ -182,10 +198,10 @@ class TransferSpec(_Strict):
 
 class RouterSpec(_Strict):
     policy: Literal["round_robin", "least_loaded", "power_of_two", "prefix_aware"] = "least_loaded"
-    max_queue: int = Field(256, ge=0)  # requests waiting for capacity; 0 refuses at once
-    queue_timeout_s: float = Field(30.0, gt=0)
-    max_inflight_per_replica: int | None = Field(None, ge=1)  # None: the stage's max_num_seqs
-    seed: int = 0  # power_of_two's RNG
+    max_queue: int = Field(256, ge=0, le=MAX_QUEUE)  # requests waiting for capacity; 0 refuses at once
+    queue_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    max_inflight_per_replica: int | None = Field(None, ge=1, le=MAX_SEQS)  # None: the stage's max_num_seqs
+    seed: int = Field(0, ge=0, le=MAX_SEED)  # power_of_two's RNG
     # A request whose replica dies, stalls or fails its KV transfer is placed
     # again on a healthy pair, resuming after the tokens its client has, up to
     # this many times (0: never; the request then ends UNAVAILABLE).
@@ -207,16 +223,48 @@ class HealthSpec(_Strict):
     restart_backoff_s: float = Field(1.0, ge=0, le=600)  # before the n-th replacement: backoff * 2**(n-1)
 
 
+class PortRange(_Strict):
+    """Ports ``first`` to ``last``, both included; each listener takes the first free one."""
+
+    first: int = Field(ge=1, le=65535)
+    last: int = Field(ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PortRange":
+        if self.last < self.first:
+            raise ValueError(f"last ({self.last}) must be >= first ({self.first})")
+        return self
+
+
+class NetworkSpec(_Strict):
+    """Where the cluster's own listeners bind (not the frontends: see ``frontend``).
+
+    Two kinds, both refusing any peer that does not prove the cluster secret:
+    the request channel (one, in the frontend's process; every replica dials
+    it) and the KV receiver (one per decode replica; prefill replicas dial
+    it). ``host`` None binds loopback when kvrelay starts its own Ray, and
+    the node's own address when joined to a Ray cluster; ``0.0.0.0`` binds
+    every interface. Port ranges let a firewall open exactly these ports;
+    a range must hold one port per listener on a node (e.g. its decode
+    replicas). deploy/README.md says what must be reachable from where.
+    """
+
+    host: str | None = Field(None, min_length=1, max_length=253)
+    channel_ports: PortRange | None = None  # None: any free port
+    kv_ports: PortRange | None = None  # None: any free port
+
+
 class TLSSpec(_Strict):
     cert_file: str
     key_file: str
 
 
 class FrontendSpec(_Strict):
-    host: str = "0.0.0.0"
+    host: str = Field("127.0.0.1", min_length=1, max_length=253)  # "0.0.0.0": every interface (opt in)
     grpc_port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
     tls: TLSSpec | None = None
+    health_interval_s: float = Field(1.0, gt=0, le=60)  # gRPC health re-checks the replicas this often
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "FrontendSpec":
@@ -303,7 +351,8 @@ class ProfileSpec(_Strict):
 
     dir: str = Field(min_length=1)
     seconds: float = Field(gt=0, le=600)
-    delay_s: float = Field(0.0, ge=0)  # wait this long after startup (e.g. for a load generator to start)
+    # wait this long after startup (e.g. for a load generator to start)
+    delay_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     with_stack: bool = False  # record Python stacks too (larger traces, slower)
 
 
@@ -313,7 +362,8 @@ class RaySpec(_Strict):
 
 
 class Spec(_Strict):
-    model: str = DEFAULT_MODEL  # a checkpoint folder, a GGUF file, or the default model's name
+    # a checkpoint folder, a GGUF file, or the default model's name
+    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: StageSpec = Field(default_factory=StageSpec)
@@ -325,6 +375,7 @@ class Spec(_Strict):
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     profile: ProfileSpec | None = None  # None: no profile at startup
 
     @model_validator(mode="after")
@@ -364,51 +415,23 @@ class Spec(_Strict):
             raise SpecError(e.problems, source) from None
 
 
-def format_errors(err: ValidationError) -> list[str]:
-    """pydantic's errors as ``"<dotted.path>: <message>"`` lines."""
-    out = []
-    for e in err.errors(include_url=False):
-        path = ".".join(str(p) for p in e["loc"])
-        if not path and e["type"] == "value_error":  # a whole-spec check; its lines carry their paths
-            out.extend(_message(e).splitlines())
-        else:
-            out.append(f"{path or '(top level)'}: {_message(e)}")
-    return out
-
-
-def _message(e: dict[str, Any]) -> str:
-    kind, ctx = e["type"], e.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return "unknown field"
-    if kind == "missing":
-        return "required field is missing"
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">",
-              "less_than_equal": "<=", "less_than": "<"}[kind]
-        bound = next(iter(ctx.values()))
-        bound = f"{bound:g}" if isinstance(bound, float) else bound
-        return f"must be {op} {bound}, got {e['input']!r}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {e['input']!r}"
-    if kind == "value_error":
-        return str(ctx.get("error", e["msg"]))
-    return f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}" if "input" in e else e["msg"]
-
-
 def load_spec(path: str | os.PathLike) -> Spec:
-    """Read and validate a YAML spec file."""
+    """Read and validate a YAML spec file; every problem (unreadable, not YAML, ...) is a SpecError naming it."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError([f"cannot read {path}: {e.strerror or e}"]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+    return parse_spec(raw, str(path))
+
+
+def parse_spec(raw: bytes | str, source: str | None = None) -> Spec:
+    """Validate a spec's YAML text (`cluster.spec_yaml.read_yaml`, then `Spec`)."""
+    data = read_yaml(raw, source)
     if data is not None and not isinstance(data, dict):
-        raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], str(path))
-    return Spec.from_dict(data, str(path))
+        raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], source)
+    return Spec.from_dict(data, source)
 
 
 # ---- per-component configs ---------------------------------------------------
@@ -447,6 +470,35 @@ class FrontendConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no auth
+    health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Where the request channel and the KV receivers bind (`NetworkSpec`); the launcher applies it.
+
+    ``host`` None: loopback when kvrelay started its own Ray, else the node's
+    own address (each receiver finds its node's where it starts).
+    """
+
+    host: str | None = None
+    channel_ports: tuple[int, int] | None = None  # (first, last); None: any free port
+    kv_ports: tuple[int, int] | None = None
+
+    def receiver_config(self, receiver: ReceiverConfig, is_joined: bool) -> ReceiverConfig:
+        """``receiver`` with this bind address and port range."""
+        host = self.host if self.host is not None else (None if is_joined else "127.0.0.1")
+        first, last = self.kv_ports or (0, None)
+        return replace(receiver, host=host, port=first, port_max=last)
+
+    def channel_bind(self, is_joined: bool, node_address: str) -> tuple[str, str | None, tuple[int, int] | None]:
+        """The request channel's (bind host, advertised host or None, port range or None)."""
+        if self.host is not None:
+            host = self.host
+        else:
+            host = node_address if is_joined else "127.0.0.1"
+        advertise = node_address if host in ("0.0.0.0", "::") else None
+        return host, advertise, self.channel_ports
 
 
 @dataclass(frozen=True)
@@ -470,6 +522,7 @@ class ClusterConfig:
     ray_namespace: str
     profile: ProfileConfig | None = None  # a profiler window at startup
     health: HealthConfig = HealthConfig()
+    network: NetworkConfig = NetworkConfig()
 
 
 def split_spec(spec: Spec) -> ClusterConfig:
@@ -496,12 +549,15 @@ def split_spec(spec: Spec) -> ClusterConfig:
     frontend = FrontendConfig(
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
-        api_keys=tuple(spec.auth.resolve_api_keys()),
+        api_keys=tuple(spec.auth.resolve_api_keys()), health_interval_s=f.health_interval_s,
     )
+    n = spec.network
+    ports = lambda r: None if r is None else (r.first, r.last)  # noqa: E731
+    network = NetworkConfig(n.host, ports(n.channel_ports), ports(n.kv_ports))
     p = spec.profile
     profile = ProfileConfig(p.dir, p.seconds, p.delay_s, p.with_stack) if p is not None else None
     h = spec.health
     health = HealthConfig(r.migration_limit, r.migration_max_tokens, h.heartbeat_timeout_s, h.replace_after_s,
                           h.restart_budget, h.restart_backoff_s)
     return ClusterConfig(spec.model, spec.dtype, spec.mode, stages, transfer, router, frontend,
-                         spec.ray.address, spec.ray.namespace, profile, health)
+                         spec.ray.address, spec.ray.namespace, profile, health=health, network=network)

@@ -1,7 +1,9 @@
 """Request validation shared by the frontends (gRPC and OpenAI HTTP).
 
 Every check raises `InvalidRequestError` whose message names the field:
-``max_tokens: must be >= 1``. Unset values (None) take the defaults of
+``max_tokens: must be >= 1``; a value it quotes is shortened
+(`cluster.errors.quote`), so the message stays short whatever was sent.
+Unset values (None) take the defaults of
 `SamplingParams`, except ``max_tokens``, which defaults to the rest of the
 context. ``top_k`` of 0 or -1 disables top-k (OpenAI clients send 0, vLLM
 clients -1); other negative values are errors.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from cluster.errors import quote
 from cluster.types import InvalidRequestError, SamplingParams
 
 MAX_LOGPROBS = 20
@@ -20,7 +23,7 @@ MAX_REQUEST_ID_LEN = 128
 
 def check_model(requested: str, served: str) -> None:
     if requested and requested != served:
-        raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {served!r}")
+        raise InvalidRequestError("model", f"unknown model {quote(requested)}; this server serves {served!r}")
 
 
 def check_request_id(request_id: str) -> None:
@@ -50,7 +53,7 @@ def validate_request(
         raise InvalidRequestError("prompt", "must not be empty")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequestError("prompt", f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
     if n >= max_model_len:
         raise InvalidRequestError("prompt", f"{n} tokens leave no room to generate in the model's "
                                             f"context of {max_model_len} tokens")
@@ -58,32 +61,33 @@ def validate_request(
     if max_tokens is None:
         max_tokens = room
     elif max_tokens < 1:
-        raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
+        raise InvalidRequestError("max_tokens", f"must be >= 1, got {quote(max_tokens)}")
     elif max_tokens > room:
-        raise InvalidRequestError("max_tokens", f"{max_tokens} plus the prompt's {n} tokens exceed the "
+        raise InvalidRequestError("max_tokens", f"{quote(max_tokens)} plus the prompt's {n} tokens exceed the "
                                                 f"model's context of {max_model_len} tokens (at most {room})")
     d = SamplingParams()
     temperature = d.temperature if temperature is None else temperature
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidRequestError("temperature", f"must be >= 0, got {temperature}")
+        raise InvalidRequestError("temperature", f"must be >= 0, got {quote(temperature)}")
     top_p = d.top_p if top_p is None else top_p
     if not 0 < top_p <= 1:
-        raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {quote(top_p)}")
     top_k = d.top_k if top_k is None else top_k
     if top_k < -1:
-        raise InvalidRequestError("top_k", f"must be >= 1, or 0 or -1 to disable, got {top_k}")
+        raise InvalidRequestError("top_k", f"must be >= 1, or 0 or -1 to disable, got {quote(top_k)}")
     min_p = d.min_p if min_p is None else min_p
     if not 0 <= min_p <= 1:
-        raise InvalidRequestError("min_p", f"must be in [0, 1], got {min_p}")
+        raise InvalidRequestError("min_p", f"must be in [0, 1], got {quote(min_p)}")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     if any(not s for s in stop):
         raise InvalidRequestError("stop", "strings must not be empty")
     bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequestError("stop_token_ids",
+                                  f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {quote(logprobs)}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k,
         min_p=min_p, seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),

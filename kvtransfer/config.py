@@ -74,8 +74,11 @@ class ReceiverConfig:
 
     secret: str | bytes | None = field(default=None, repr=False)  # the cluster secret; None: not known yet
     transport: str = "grpc"  # one of TRANSPORTS; the spec's transfer.backend
-    host: str = "127.0.0.1"  # the address the service listens on; "0.0.0.0": every interface
-    port: int = 0  # 0: any free port
+    # the address the service listens on; "0.0.0.0": every interface; None: this node's own address
+    # (the one its default route leaves by), found where the receiver starts
+    host: str | None = "127.0.0.1"
+    port: int = 0  # 0: any free port; else the first port to try
+    port_max: int | None = None  # the last port to try (from port up); None: port only
     advertise_host: str | None = None  # the host in the endpoint; None: host, or this machine's address
     lease_s: float = 30.0  # reserved blocks whose KV never came are freed after this (unless renewed)
     progress_timeout_s: float = 10.0  # each accepted chunk extends the lease to at least this from now
@@ -86,8 +89,11 @@ class ReceiverConfig:
         _check_secret(self)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"ReceiverConfig.transport: must be one of {TRANSPORTS}, got {self.transport!r}")
-        _check_type(self, "host", str)
+        if self.host is not None:
+            _check_type(self, "host", str)
         _check_int(self, "port", minimum=0, maximum=65535)
+        if self.port_max is not None:
+            _check_int(self, "port_max", minimum=max(1, self.port), maximum=65535)
         if self.advertise_host is not None:
             _check_type(self, "advertise_host", str)
         _check_seconds(self, "lease_s")

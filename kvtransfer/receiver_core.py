@@ -21,6 +21,10 @@ from kvtransfer import auth, slabs
 from kvtransfer.ledger import Ledger
 from kvtransfer.types import Ack, HandshakeError
 
+NONCE_TTL_S = 30.0  # a Hello's nonce must be answered by a Handshake within this
+MAX_NONCES_PER_PEER = 64  # a peer's pending nonces past this push out its oldest
+MAX_NONCES = 4096  # pending nonces of all peers; past this, Hello is refused until some expire or are used
+
 
 @dataclass
 class Session:
@@ -44,24 +48,62 @@ class ReceiverCore:
         self.progress_timeout_s = progress_timeout_s
         self.ledger = Ledger()
         self._lock = threading.Lock()
-        self._nonces: dict[bytes, float] = {}
+        self._nonces: dict[bytes, tuple[float, str]] = {}  # nonce -> (expiry, peer), oldest first
+        self._nonces_by_peer: dict[str, list[bytes]] = {}  # oldest first
         self.sessions: dict[str, Session] = {}
         self.num_dropped_chunks = 0
 
     # ---- handshake -----------------------------------------------------
-    def hello(self) -> bytes:
+    def hello(self, peer: str = "local") -> bytes:
+        """A fresh nonce for ``peer`` (its address without the port) to answer in `handshake`.
+
+        Before any proof of the secret, so bounded: at most MAX_NONCES_PER_PEER
+        pending per peer (a new one pushes out the peer's oldest) and
+        MAX_NONCES in all (past that, HandshakeError until some expire).
+        """
         nonce = auth.new_nonce()
         with self._lock:
             now = time.time()
-            self._nonces = {n: t for n, t in self._nonces.items() if t > now}
-            self._nonces[nonce] = now + 30.0
+            self._expire_nonces(now)
+            mine = self._nonces_by_peer.setdefault(peer, [])
+            if len(mine) >= MAX_NONCES_PER_PEER:
+                self._nonces.pop(mine.pop(0), None)
+            elif len(self._nonces) >= MAX_NONCES:
+                if not mine:
+                    del self._nonces_by_peer[peer]
+                raise HandshakeError(f"handshake refused: {MAX_NONCES} handshakes pending, try again later")
+            self._nonces[nonce] = (now + NONCE_TTL_S, peer)
+            mine.append(nonce)
         return nonce
+
+    @property
+    def num_pending_nonces(self) -> int:
+        with self._lock:
+            return len(self._nonces)
+
+    def _expire_nonces(self, now: float) -> None:
+        """Drop expired nonces (they are in expiry order: every one gets the same TTL). Under the lock."""
+        while self._nonces:
+            nonce, (expiry, peer) = next(iter(self._nonces.items()))
+            if expiry > now:
+                return
+            self._forget_nonce(nonce)
+
+    def _forget_nonce(self, nonce: bytes) -> tuple[float, str] | None:
+        entry = self._nonces.pop(nonce, None)
+        if entry is not None:
+            mine = self._nonces_by_peer.get(entry[1])
+            if mine is not None:
+                mine.remove(nonce)
+                if not mine:
+                    del self._nonces_by_peer[entry[1]]
+        return entry
 
     def handshake(self, nonce: bytes, proof: bytes, sender_nonce: bytes, fingerprint: dict[str, str],
                   transport: str) -> tuple[Session, bytes]:
         with self._lock:
-            expiry = self._nonces.pop(nonce, None)
-        if expiry is None or expiry < time.time():
+            entry = self._forget_nonce(nonce)
+        if entry is None or entry[0] < time.time():
             raise HandshakeError("handshake refused: unknown or stale nonce")
         if not auth.proofs_match(proof, auth.sender_proof(self.secret, nonce, sender_nonce)):
             raise HandshakeError("handshake refused: the sender does not know the cluster secret")

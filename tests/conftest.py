@@ -18,6 +18,17 @@ def default_model_dir() -> Path:
     return resolve_model(None)
 
 
+@pytest.fixture(scope="session")
+def ray_instance():
+    """One real local Ray instance for the whole session (the e2e and chaos suites share it)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where CUDA is available."""
     import torch

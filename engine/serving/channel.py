@@ -77,11 +77,12 @@ class ChannelServer:
     their channels breaks. Event-loop thread only."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise_host: str | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, ports: tuple[int, int] | None = None):
         self.secret = secret
         self.host = host
         self.advertise_host = advertise_host or host
         self.on_lost = on_lost  # called with the replica id when its channel breaks
+        self.ports = ports  # (first, last): listen on the first free one; None: any free port
         self.address: str | None = None  # "host:port" once started
         self._server: asyncio.AbstractServer | None = None
         self._peers: dict[str, _Peer] = {}
@@ -89,7 +90,15 @@ class ChannelServer:
         self._connected = asyncio.Condition()
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        first, last = self.ports or (0, 0)
+        for port in range(first, last + 1):
+            try:
+                self._server = await asyncio.start_server(self._serve, self.host, port)
+                break
+            except OSError as e:
+                if port == last:
+                    raise ChannelError(f"network.channel_ports: no free port in {first}-{last} on "
+                                       f"{self.host} ({e.strerror or e})") from None
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.advertise_host}:{port}"
         return self.address

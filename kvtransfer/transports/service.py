@@ -1,6 +1,7 @@
 """The receiver's gRPC service (transports `grpc` and `nccl`): protobuf stops here."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import uuid
@@ -80,6 +81,14 @@ def _split_chunk(raw: bytes) -> tuple[pb.Chunk, memoryview]:
     return pb.Chunk.FromString(raw), memoryview(b"")
 
 
+def peer_host(peer: str) -> str:
+    """gRPC's ``ipv4:10.0.0.2:5123`` / ``ipv6:[::1]:5123`` without the port: one peer however many sockets."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
 def to_pb(ack: Ack) -> pb.Ack:
     return pb.Ack(ok=ack.ok, dropped=ack.dropped, error=ack.error)
 
@@ -102,7 +111,10 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: handshake first")
 
     def Hello(self, request, context):
-        return pb.HelloReply(nonce=self.core.hello())
+        try:
+            return pb.HelloReply(nonce=self.core.hello(peer_host(context.peer())))
+        except HandshakeError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     def Handshake(self, request, context):
         if request.transport != self.transport:
@@ -207,23 +219,47 @@ def method_handlers(servicer: KVTransferServicer):
 def advertised_host(host: str) -> str:
     """The address peers dial: the bind address, or this machine's address when binding to all."""
     if host in ("", "0.0.0.0", "::", "[::]"):
-        return socket.gethostbyname(socket.gethostname())
+        return node_address()
     return host
 
 
-def serve(core: ReceiverCore, config: ReceiverConfig):
-    """Start the service (``config.transport``: grpc or nccl) on ``config.host:port``; returns (server, endpoint).
+def node_address() -> str:
+    """This node's own address: the one its default route leaves by (no packet is sent), else its name's."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.254.254.254", 1))  # any routable address: connecting a UDP socket only picks a route
+        return probe.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
 
-    The endpoint names ``config.advertise_host``, or else the address peers dial (``advertised_host``).
+
+def serve(core: ReceiverCore, config: ReceiverConfig):
+    """Start the service (``config.transport``: grpc or nccl) on ``config.host``; returns (server, endpoint).
+
+    The port is ``config.port`` (0: any free one), or the first free one from
+    ``config.port`` to ``config.port_max``. A host of None is this node's own
+    address (`node_address`). The endpoint names ``config.advertise_host``,
+    or else the address peers dial (``advertised_host``).
     """
     heap.keep_large_buffers()
-    public = config.advertise_host or advertised_host(config.host)
+    host = node_address() if config.host is None else config.host
+    public = config.advertise_host or advertised_host(host)
     servicer = KVTransferServicer(core, config.transport, public, config.chunk_timeout_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="kvt-rx"),
-                         options=grpc_options())
+                         options=grpc_options() + [("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((method_handlers(servicer),))
-    bound = server.add_insecure_port(f"{config.host}:{config.port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    bound = _bind(server, host, config.port, config.port_max)
     server.start()
     return server, f"{config.transport}://{public}:{bound}"
+
+
+def _bind(server: grpc.Server, host: str, first: int, last: int | None) -> int:
+    """Listen on the first free port in [first, last] (or on ``first`` alone); the port bound."""
+    address = f"[{host}]" if ":" in host else host
+    for port in range(first, (first if last is None else last) + 1):
+        try:
+            bound = server.add_insecure_port(f"{address}:{port}")
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            bound = 0
+        if bound:
+            return bound
+    where = f"port {first}" if last is None or last == first else f"any port in {first}-{last}"
+    raise OSError(f"KV receiver: cannot listen on {host}, {where} (in use, or not this host's address)")

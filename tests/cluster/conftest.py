@@ -62,6 +62,9 @@ class EchoBackend:
         self.overloaded = False
         self.no_replica = False  # every replica dead: generate raises NoReplicaError, status shows none alive
         self.fail_after: int | None = None  # raise after this many deltas
+        self.error_after: int | None = None  # end with a FinishReason.ERROR delta after this many deltas
+        self.raise_first: BaseException | None = None  # generate raises this before the first delta
+        self.status_error: BaseException | None = None  # status() raises this
         self.requests: list[GenerateRequest] = []
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -72,6 +75,8 @@ class EchoBackend:
             raise OverloadedError("all replicas are busy (test)")
         if self.no_replica:
             raise NoReplicaError("no live colocated replica (test)")
+        if self.raise_first is not None:
+            raise self.raise_first
         self.requests.append(req)
         self.running.add(req.request_id)
         try:
@@ -80,6 +85,10 @@ class EchoBackend:
             for i, tok in enumerate(out):
                 if self.fail_after == i:
                     raise RuntimeError("replica d0 died (test)")
+                if self.error_after == i:
+                    yield GenerateDelta(req.request_id, finish_reason=FinishReason.ERROR,
+                                        error="decode replica d0 died mid-stream (test)")
+                    return
                 await asyncio.sleep(self.delay_s)
                 last = i == len(out) - 1
                 finish = None
@@ -106,10 +115,12 @@ class EchoBackend:
         return [ProfileTrace("c0", "host-a", f"{out_dir}/c0-1.json")]
 
     async def status(self) -> ClusterStatus:
+        if self.status_error is not None:
+            raise self.status_error
         return ClusterStatus("echo", "colocated", (
             ReplicaStatus("c0", Stage.COLOCATED, not self.no_replica, len(self.running), 0, len(self.running), 75,
                           100),
-            ReplicaStatus("c1", Stage.COLOCATED, False),
+            ReplicaStatus("c1", Stage.COLOCATED, False, 7, 300, 5, 10, 100),  # dead: its last report, now stale
         ), num_waiting=0)
 
 

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,19 @@ def test_client_commands(served, capsys):
     assert '"replica_id": "c0"' in capsys.readouterr().out
     assert main(["models", "--target", served.target]) == 0
     assert capsys.readouterr().out.startswith("echo\t")
+
+
+def test_status_does_not_show_a_dead_replicas_last_load(served, capsys):
+    # EchoBackend's c1 is dead, its last report 7 running, 300 queued tokens, 5 in flight, 90% KV used
+    assert main(["status", "--target", served.target]) == 0
+    (c1,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("c1")]
+    assert c1 == ["c1", "colocated", "NO", "down", "-", "-", "-", "-", "0"]
+    assert main(["status", "--json", "--target", served.target]) == 0
+    replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
+    assert replicas["c1"]["is_alive"] is False
+    assert [replicas["c1"][k] for k in ("num_running_seqs", "num_queued_prefill_tokens", "num_in_flight",
+                                        "num_free_blocks", "num_total_blocks")] == [None] * 5
+    assert replicas["c0"]["num_total_blocks"] == 100  # a live one's load is shown
 
 
 def test_chat_keeps_history(served, capsys, monkeypatch):

@@ -310,7 +310,7 @@ def test_failure_mid_request(served):
     client = served.client()
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model="echo", prompt="hello world")
-    assert info.value.status_code == 500 and "replica d0 died" in info.value.message
+    assert info.value.status_code == 503 and "replica d0 died" in info.value.message
     got = []
     with pytest.raises(openai.APIError, match="replica d0 died"):
         for chunk in client.completions.create(model="echo", prompt="hello world", stream=True):
@@ -395,6 +395,8 @@ def test_metrics_after_requests(served):
     assert _count(after, "kvrelay_replica_up", stage="colocated", replica="c0") == 1
     assert _count(after, "kvrelay_replica_up", stage="colocated", replica="c1") == 0
     assert _count(after, "kvrelay_replica_kv_usage_ratio", stage="colocated", replica="c0") == pytest.approx(0.25)
+    dead = (("replica", "c1"), ("stage", "colocated"))  # c1's stale report (7 running, 90% KV) is left out
+    assert [name for name, labels in after if labels == dead] == ["kvrelay_replica_up"]
     assert _count(after, "kvrelay_requests_in_flight", frontend="http") == 0
     assert ("kvrelay_router_waiting_requests", ()) in after
 

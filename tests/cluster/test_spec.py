@@ -156,3 +156,85 @@ def test_secrets_resolve_from_env_and_file(tmp_path, monkeypatch):
     missing = Spec.model_validate({"auth": {"api_keys_file": str(tmp_path / "nope")}}).auth
     with pytest.raises(SpecError, match=r"auth.api_keys_file: cannot read .*nope"):
         missing.resolve_api_keys()
+
+
+# ---- values no cluster can use, files that are not specs ------------------------
+@pytest.mark.parametrize("data, problem", [
+    ({"transfer": {"options": {"lease_s": float("inf")}}}, "transfer.options.lease_s: input should be a finite number"),
+    ({"transfer": {"options": {"deadline_s": float("nan")}}}, "transfer.options.deadline_s: input should be a finite"),
+    ({"router": {"queue_timeout_s": 1e308}}, "router.queue_timeout_s: must be <= 604800"),
+    ({"decode": {"num_kv_blocks": 1e40}}, "decode.num_kv_blocks: input should be a valid integer"),
+    ({"decode": {"num_kv_blocks": 10 ** 40}}, "decode.num_kv_blocks: must be <= 268435456"),
+    ({"prefill": {"max_num_batched_tokens": 2 ** 63}}, "prefill.max_num_batched_tokens: must be <= 16777216"),
+    ({"prefill": {"replicas": True}}, "prefill.replicas: input should be a valid integer"),
+    ({"prefill": {"resources": {"custom": {"node:x": float("inf")}}}}, "prefill.resources.custom.node:x: input should"),
+    ({"router": {"seed": -1}}, "router.seed: must be >= 0"),
+    ({"network": {"kv_ports": {"first": 30010, "last": 30000}}}, "network.kv_ports: last (30000) must be >= first"),
+    ({"network": {"channel_ports": {"first": 0, "last": 10}}}, "network.channel_ports.first: must be >= 1"),
+])
+def test_values_no_cluster_can_use_are_refused_with_their_path(data, problem):
+    found = problems(data)
+    assert len(found) == 1 and found[0].startswith(problem), found
+
+
+def test_problems_quote_input_shortly_and_are_capped():
+    found = problems({"model": "", "router": {"policy": "z" * 10_000}, "auth": {"api_keys": [[1]] * 500}})
+    assert all(len(p) < 300 for p in found)
+    assert found[-1].startswith("... and ") and len(found) <= 52
+
+
+def write(tmp_path, raw: bytes):
+    path = tmp_path / "spec.yaml"
+    path.write_bytes(raw)
+    return path
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (b"model: caf\xe9\n", "(file): not UTF-8 text: byte 0xe9 at offset 10 (line 1)"),
+    (b"a: " + b"[" * 600 + b"]" * 600 + b"\n", "(file): nested deeper than 32 levels at line 1"),
+    (b"a:\n" + b"".join(b"  " * i + b"- \n" for i in range(1, 40)), "(file): nested deeper than 32 levels"),
+    (b"router:\n  seed: " + b"9" * 6000 + b"\n", "not a usable YAML value: Exceeds the limit"),
+    (b"decode:\n  num_kv_blocks: 1e40\n", "decode.num_kv_blocks: must be an integer, got the string '1e40'"),
+    (b"router:\n  queue_timeout_s: 1.0e+308\n", "router.queue_timeout_s: must be <= 604800"),
+    (b"transfer:\n  options:\n    lease_s: .inf\n", "transfer.options.lease_s: input should be a finite number"),
+    (b"x" * (2 << 20), "(file): larger than"),
+])
+def test_a_file_that_is_no_spec_is_a_clear_error_naming_the_file(tmp_path, raw, problem):
+    path = write(tmp_path, raw)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
+    assert info.value.problems[0].startswith(problem), info.value.problems
+
+
+def test_yaml_aliases_that_expand_a_small_file_are_refused_quickly(tmp_path):
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = write(tmp_path, ("\n".join(lines) + "\nauth:\n  api_keys: *a8\n").encode())
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.problems[0].startswith("auth.api_keys.0: input should be a valid string, got [[[[...]")
+    assert all(len(p) < 300 for p in info.value.problems)
+
+
+# ---- network -------------------------------------------------------------------
+def test_network_defaults_loopback_locally_and_the_nodes_address_when_joined():
+    config = split_spec(Spec.model_validate({}))
+    assert config.frontend.host == "127.0.0.1"  # a spec opts in to 0.0.0.0
+    net = config.network
+    local, joined = (net.receiver_config(config.transfer.receiver, j) for j in (False, True))
+    assert (local.host, local.port, local.port_max) == ("127.0.0.1", 0, None)
+    assert (joined.host, joined.port, joined.port_max) == (None, 0, None)  # None: the receiver's node's address
+    assert net.channel_bind(False, "10.0.0.5") == ("127.0.0.1", None, None)
+    assert net.channel_bind(True, "10.0.0.5") == ("10.0.0.5", None, None)
+
+
+def test_network_fields_reach_the_receiver_and_the_channel():
+    config = split_spec(Spec.model_validate({
+        "frontend": {"host": "0.0.0.0"},
+        "network": {"host": "0.0.0.0", "channel_ports": {"first": 30000, "last": 30000},
+                    "kv_ports": {"first": 30100, "last": 30131}}}))
+    assert config.frontend.host == "0.0.0.0"
+    receiver = config.network.receiver_config(config.transfer.receiver, True)
+    assert (receiver.host, receiver.port, receiver.port_max) == ("0.0.0.0", 30100, 30131)
+    assert config.network.channel_bind(True, "10.0.0.5") == ("0.0.0.0", "10.0.0.5", (30000, 30000))

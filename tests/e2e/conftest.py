@@ -1,23 +1,11 @@
-"""A real local Ray instance shared by the end-to-end tests, and clusters
-started on it from spec dicts, served on loopback."""
+"""Clusters started from spec dicts on the session's local Ray instance
+(`ray_instance`, tests/conftest.py), served on loopback."""
 from __future__ import annotations
-
-import pytest
 
 from cluster.bench.inprocess import RunningCluster, running_cluster  # noqa: F401  (the tests' way in)
 
 # Replicas ask for a slice of a CPU so several fit on a 2-core machine.
 SLICE = {"num_cpus": 0.25}
-
-
-@pytest.fixture(scope="session")
-def ray_instance():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
 
 
 def disagg_spec(prefill: int = 2, decode: int = 2, backend: str = "grpc", **extra) -> dict:

@@ -127,3 +127,17 @@ def test_a_replica_cannot_reach_a_frontend_that_is_not_there():
         port = s.getsockname()[1]
     with pytest.raises(OSError):
         Replica(f"127.0.0.1:{port}")
+
+
+def test_the_server_listens_on_the_first_free_port_of_its_range():
+    async def main():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            first = taken.getsockname()[1]
+            server = await _server(ports=(first, first + 20))
+            port = int(server.address.rsplit(":", 1)[1])
+            assert first < port <= first + 20
+            with pytest.raises(ChannelError, match="network.channel_ports"):
+                await _server(ports=(first, first))
+            await server.stop()
+    asyncio.run(main())
