@@ -54,6 +54,10 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
+def is_oversubscribed(tp: int) -> bool:
+    return tp > len(os.sched_getaffinity(0))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,10 +92,11 @@ class _State:
                     self.shm.send(stop_message())
                 else:
                     self.shm.abort()
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            # an aborted worker exits as soon as it sees the flag; one that does not is stuck or stopped
+            deadline = time.monotonic() + (JOIN_TIMEOUT_S if self.is_healthy else 1.0)
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
-            if any(p.is_alive() for p in self.procs) and self.shm is not None:
+            if self.is_healthy and any(p.is_alive() for p in self.procs) and self.shm is not None:
                 self.shm.abort()  # stuck in a collective: make it raise
                 for p in self.procs:
                     p.join(1.0)
@@ -123,7 +128,8 @@ class TPGroup:
             threads = threads_per_rank(tp)
             for rank in range(1, tp):
                 parent, child = ctx.Pipe()
-                spec = WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo)
+                spec = WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
+                                  is_oversubscribed(tp))
                 p = ctx.Process(target=worker_main, args=(spec, child), name=f"kvrelay-tp-rank{rank}", daemon=True)
                 p.start()
                 child.close()
@@ -131,7 +137,8 @@ class TPGroup:
                 state.conns.append(parent)
             procs = state.procs  # (not self: the finalizer must not keep the group alive)
             state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
-                                 peers_alive=lambda: all(p.exitcode is None for p in procs))
+                                 peers_alive=lambda: all(p.exitcode is None for p in procs),
+                                 oversubscribed=is_oversubscribed(tp))
             self._await("attached", config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
             if gloo is not None:

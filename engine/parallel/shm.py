@@ -18,7 +18,8 @@ ranks (`send` / `recv`: a payload, its length, a sequence number) and the
 logits gather.
 
 Waiting spins for 100 µs, then yields the CPU, then sleeps in short naps, so
-ranks that share cores with each other (or with other work) still progress.
+ranks that share cores with each other (or with other work) still progress;
+with more ranks than cores it yields at once.
 Every wait checks an abort flag any rank may raise, a deadline, and whether
 the peer processes are alive: a dead or stuck rank never hangs the others.
 
@@ -130,9 +131,12 @@ class ShmGroup:
     ``timeout_s`` bounds any collective wait (not `recv`, which waits for the next step)."""
 
     def __init__(self, path: str, layout: SegmentLayout, rank: int, timeout_s: float,
-                 peers_alive: Callable[[], bool] | None = None):
+                 peers_alive: Callable[[], bool] | None = None, oversubscribed: bool = False):
         self.rank, self.size, self.layout = rank, layout.size, layout
         self.timeout_s = timeout_s
+        # (yield after, nap after) seconds of waiting; more ranks than cores: the peer we wait
+        # for may need this very core, so give it up at once
+        self._patience = (0.0, 2e-5) if oversubscribed else (1e-4, 1e-3)
         self._peers_alive = peers_alive or (lambda: True)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -165,9 +169,10 @@ class ShmGroup:
             if f[self.layout.abort_flag]:
                 raise self._aborted()
             waited = time.monotonic() - t0
-            if waited > (0.01 if idle else 1e-3):
-                time.sleep(1e-3 if idle else 1e-4)
-            elif waited > 1e-4:
+            yield_after, nap_after = self._patience
+            if waited > (0.01 if idle else nap_after):
+                time.sleep(1e-3 if idle else 5e-5)
+            elif waited > yield_after:
                 os.sched_yield()
             if spins & 4095 == 0:
                 if not self._peers_alive():

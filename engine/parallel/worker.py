@@ -18,7 +18,6 @@ tears the group down.
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import traceback
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ class WorkerSpec:
     layout: SegmentLayout
     num_threads: int
     gloo_init_method: str | None  # set with tp_backend "gloo"
+    oversubscribed: bool  # more ranks than cores
 
 
 def init_message(num_blocks: int) -> bytes:
@@ -50,7 +50,8 @@ def init_message(num_blocks: int) -> bytes:
 
 def memory_report(model) -> dict[str, int]:
     """What this process holds: the model's weight bytes, its private resident memory now
-    (RssAnon, so the mapped checkpoint pages it read are not counted) and its peak RSS."""
+    (RssAnon: the checkpoint pages it read through the file mapping are not counted) and its
+    peak resident memory (VmHWM: those pages included)."""
     from engine.kernels import PackedWeight
 
     seen, weight_bytes = set(), 0
@@ -60,15 +61,17 @@ def memory_report(model) -> dict[str, int]:
             continue
         seen.add(id(t))
         weight_bytes += t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
-    anon = 0
+    status = {}
     try:
         for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmHWM"):
+                status[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return {"weight_bytes": weight_bytes, "rss_anon_bytes": anon,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    # VmHWM, not getrusage's ru_maxrss: that one carries the spawning parent's peak across exec
+    return {"weight_bytes": weight_bytes, "rss_anon_bytes": status.get("RssAnon", 0),
+            "peak_rss_bytes": status.get("VmHWM", 0)}
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -88,7 +91,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         torch.set_num_threads(spec.num_threads)
         config = spec.config
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
-                       peers_alive=lambda: os.getppid() == parent)
+                       peers_alive=lambda: os.getppid() == parent, oversubscribed=spec.oversubscribed)
         conn.send(("attached", None))
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
