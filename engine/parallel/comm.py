@@ -10,6 +10,8 @@ torch.distributed.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
@@ -18,6 +20,22 @@ import torch
 
 class CollectiveError(RuntimeError):
     """A collective could not complete: a rank died, failed, or did not arrive in time."""
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank spent in collectives (engine.parallel.bench reads it). Seconds are wall
+    time inside the calls: the data movement and the wait for the slowest rank."""
+
+    num_all_reduces: int = 0
+    bytes_all_reduced: int = 0  # this rank's tensors, summed
+    all_reduce_s: float = 0.0
+    gather_s: float = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.num_all_reduces += 1
+        self.bytes_all_reduced += nbytes
+        self.all_reduce_s += seconds
 
 
 class Collectives(Protocol):
@@ -56,27 +74,33 @@ class GlooCollectives:
         import torch.distributed as dist
 
         self.rank, self.size, self._dist = rank, size, dist
+        self.stats = CollectiveStats()
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         try:
             if x.dtype == torch.float32:
                 self._dist.all_reduce(x)
-                return x
-            acc = x.float()
-            self._dist.all_reduce(acc)
-            return x.copy_(acc)
+            else:
+                acc = x.float()
+                self._dist.all_reduce(acc)
+                x.copy_(acc)
         except RuntimeError as e:
             raise CollectiveError(f"tensor-parallel all-reduce (gloo) failed on rank {self.rank}: {e}") from e
+        self.stats.add(x.numel() * x.element_size(), time.perf_counter() - t0)
+        return x
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
+        t0 = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         try:
             self._dist.gather(x, parts, dst=0)
         except RuntimeError as e:
             raise CollectiveError(f"tensor-parallel gather (gloo) failed on rank {self.rank}: {e}") from e
+        self.stats.gather_s += time.perf_counter() - t0
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def close(self) -> None:

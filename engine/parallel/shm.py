@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.parallel.comm import CollectiveError
+from engine.parallel.comm import CollectiveError, CollectiveStats
 
 _LINE = 64
 _PAGE = 4096
@@ -150,7 +150,7 @@ class ShmGroup:
         self._gather_gen = 0
         self._ctrl_seen = 0
         self._views: dict[tuple, list[torch.Tensor]] = {}
-        self.bytes_reduced = 0  # all-reduce payload this rank contributed (bench)
+        self.stats = CollectiveStats()
 
     # ---- waiting --------------------------------------------------------
     def _aborted(self) -> CollectiveError:
@@ -187,11 +187,16 @@ class ShmGroup:
 
     # ---- collectives ----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         flat = x.view(-1)  # x is contiguous
-        step = self.layout.ar_bytes // x.element_size()
-        for a in range(0, flat.numel(), step):
-            self._all_reduce_flat(flat[a:a + step])
-        self.bytes_reduced += x.numel() * x.element_size()
+        nbytes = flat.numel() * x.element_size()
+        if nbytes <= self.layout.ar_bytes:
+            self._all_reduce_flat(flat)
+        else:
+            step = self.layout.ar_bytes // x.element_size()
+            for a in range(0, flat.numel(), step):
+                self._all_reduce_flat(flat[a:a + step])
+        self.stats.add(nbytes, time.perf_counter() - t0)
         return x
 
     def _all_reduce_flat(self, flat: torch.Tensor) -> None:
@@ -200,9 +205,11 @@ class ShmGroup:
         lay = self.layout
         bufs = self._ar_slots(parity, flat.dtype, flat.numel())
         bufs[self.rank].copy_(flat)
-        self._flags[lay.ar_flag(self.rank)] = g
+        f = self._flags
+        f[lay.ar_flag(self.rank)] = g
         for r in self._others:
-            self._wait(lay.ar_flag(r), g, "all-reduce")
+            if f[lay.ar_flag(r)] < g:
+                self._wait(lay.ar_flag(r), g, "all-reduce")
         # the same sum, in rank order, on every rank
         if flat.dtype == torch.float32:
             torch.add(bufs[0], bufs[1], out=flat)
@@ -227,11 +234,13 @@ class ShmGroup:
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
         # x: [N, vs] float32 -> [N, size * vs] on rank 0
+        t0 = time.perf_counter()
         n, vs = x.shape
         rows = max(1, self.layout.gather_bytes // (vs * x.element_size()))
         out = torch.empty((n, self.size * vs), dtype=x.dtype) if self.rank == 0 else None
         for a in range(0, n, rows):
             self._gather_rows(x[a:a + rows], None if out is None else out[a:a + rows])
+        self.stats.gather_s += time.perf_counter() - t0
         return out
 
     def _gather_rows(self, x: torch.Tensor, out: torch.Tensor | None) -> None:

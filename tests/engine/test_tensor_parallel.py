@@ -18,7 +18,7 @@ CASES = {
     "qwen2-qkv-bias": ("qwen2", {}, 2, {}),
     "qwen3-qk-norm-kv-replicated": ("qwen3", {}, 4, {}),
     "mistral": ("mistral", {}, 2, {}),
-    "mha": ("llama", {"num_key_value_heads": 4}, 4, {}),
+    "mha": ("llama", {"num_key_value_heads": 4}, 2, {}),
     "llama-gloo": ("llama", {}, 2, {"tp_backend": "gloo"}),
 }
 
@@ -65,7 +65,7 @@ def test_tp_bf16_native_ops_run_the_shards(tmp_path):
 def test_default_model_tp3_equals_tp1(default_model_dir):
     """SmolLM2-135M (9 heads, 3 KV heads) split three ways: one KV head per rank."""
     prompts = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with LLM(str(default_model_dir), dtype="float32", num_kv_blocks=32) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(str(default_model_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=3) as llm:
