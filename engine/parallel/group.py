@@ -42,7 +42,8 @@ def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLa
     max_len = config.max_model_len or model_config.max_position_embeddings
     max_blocks = -(-max_len // config.block_size)
     rows = max(config.max_num_seqs, 1)
-    ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + rows
+    # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
+    ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
     return SegmentLayout.make(
         tp,
         ar_bytes=min(config.max_num_batched_tokens * model_config.hidden_size * 4, 16 << 20),
@@ -76,6 +77,7 @@ class _State:
         self.gloo: GlooCollectives | None = None
         self.is_healthy = True
         self.is_closed = False
+        self.num_threads: int | None = None  # this process's torch threads before the group set its own
 
     def unlink(self) -> None:
         if not self.is_unlinked:
@@ -105,6 +107,10 @@ class _State:
                     p.kill()
                     p.join(JOIN_TIMEOUT_S)
         finally:
+            if self.num_threads is not None:
+                import torch
+
+                torch.set_num_threads(self.num_threads)
             self.unlink()
             for c in self.conns:
                 c.close()
@@ -146,7 +152,8 @@ class TPGroup:
             self.comm = state.gloo or state.shm
             import torch
 
-            torch.set_num_threads(threads)  # rank 0 runs in this process: its share of the cores
+            state.num_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)  # rank 0 runs in this process: its share of the cores, until close
         except BaseException:
             self.close()
             raise

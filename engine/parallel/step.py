@@ -5,12 +5,12 @@ other ranks gets a small integer slot; the other ranks mirror each slot's
 block ids. A step message is one flat int64 array:
 
     [STEP, n_drop, n_set, n_rows, n_tokens,
-     drop slots...,                      sequences gone (finished, aborted)
+     drop slots...,                      sequences gone (finished, aborted) or preempted
      (slot, keep, n_new, ids...)...,     block table diffs: keep the first `keep` ids, append the new ones
      (slot, start, n, samples)...,       the batch, in the scheduler's order
      tokens...]                          each row's n tokens, concatenated
 
-A preempted sequence's new blocks differ from the mirror: its diff keeps 0.
+A preempted sequence is dropped (its blocks were freed) and comes back as a new one.
 `StepEncoder` (rank 0) builds messages; `StepDecoder` (the others) applies
 them and returns rows that `engine.runner.ModelRunner.prepare` takes like
 scheduled sequences, so every rank builds the same tensors.
@@ -34,7 +34,8 @@ class StepEncoder:
     def encode(self, batch: list[ScheduledSeq]) -> bytes:
         drops: list[int] = []
         for rid, slot in list(self._slot_of.items()):
-            if self._mirror[slot][0].is_finished:
+            seq = self._mirror[slot][0]
+            if seq.is_finished or not seq.block_ids:  # gone, or preempted (its blocks freed)
                 drops.append(slot)
                 del self._slot_of[rid], self._mirror[slot]
                 self._free.append(slot)
@@ -50,6 +51,8 @@ class StepEncoder:
                 self._mirror[slot] = (seq, [])
             elif self._mirror[slot][0] is not seq:  # the same id again, a new sequence: its table from scratch
                 self._mirror[slot] = (seq, [])
+            # (a table that is not an extension of the mirrored one, e.g. blocks given back and
+            # taken again within a step, is sent whole: keep 0)
             held = self._mirror[slot][1]
             blocks = seq.block_ids
             n = len(held)

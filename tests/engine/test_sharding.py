@@ -139,8 +139,13 @@ def test_the_step_message_rebuilds_the_same_batch_through_appends_preemption_and
     a.output_token_ids += [51]
     size_steady = check([ScheduledSeq(a, 1, 10)])
     assert size_steady < size_append
-    b.block_ids = [8, 3]  # b preempted and given other blocks: its table is replaced
+    b.block_ids = []  # b preempted: its blocks freed, the ranks drop it
+    check([ScheduledSeq(a, 1, 10)])
+    assert len(dec.blocks) == 1
+    b.block_ids = [8, 3]  # recomputed from scratch on other blocks
     check([ScheduledSeq(b, 4, 0), ScheduledSeq(a, 1, 10)])
+    b.block_ids = [3, 8]  # a table that does not extend the mirrored one is sent whole
+    check([ScheduledSeq(b, 4, 0)])
     a.status = SequenceStatus.FINISHED_STOPPED
     c = _seq("c", [9, 9, 9, 9, 9], [1, 5])  # takes a's slot
     b.output_token_ids += [42]
