@@ -167,7 +167,7 @@ def _tp1_memory(model_dir: str, conn) -> None:
     conn.send(memory_report(llm.core.model))
 
 
-def memory_per_rank(model_dir: Path, tp: int) -> list[dict[str, int]]:
+def memory_per_rank(model_dir: Path, tp: int) -> list:
     """Per rank: weight bytes, RssAnon and VmHWM. TP=1 runs in a fresh process; at TP>1
     ranks 1.. report from their own processes (rank 0 shares this one, so only its weight bytes)."""
     from engine.llm import LLM
@@ -181,7 +181,7 @@ def memory_per_rank(model_dir: Path, tp: int) -> list[dict[str, int]]:
         p.join(30)
         return [report]
     with LLM(str(model_dir), dtype="auto", num_kv_blocks=16, tensor_parallel_size=tp) as llm:
-        rank0 = {"weight_bytes": memory_report(llm.core.model)["weight_bytes"]}
+        rank0 = memory_report(llm.core.model)  # (this process: only its weight bytes are rank 0's alone)
         return [rank0] + [llm.core.tp_group.rank_memory[r] for r in range(1, tp)]
 
 
@@ -235,9 +235,10 @@ def render(ar: dict, steps: dict, mem: dict, command: str) -> str:
               "|---:|---:|---:|---:|---:|"]
     for tp, ranks in mem.items():
         for r, m in enumerate(ranks):
-            anon = f"{m['rss_anon_bytes'] * mb:.0f}" if "rss_anon_bytes" in m else "(this process)"
-            hwm = f"{m['peak_rss_bytes'] * mb:.0f}" if "peak_rss_bytes" in m else "(this process)"
-            lines.append(f"| {tp} | {r} | {m['weight_bytes'] * mb:.0f} | {anon} | {hwm} |")
+            shared = tp > 1 and r == 0  # rank 0 shares the benchmark's process
+            anon = "(bench process)" if shared else f"{m.rss_anon_bytes * mb:.0f}"
+            hwm = "(bench process)" if shared else f"{m.peak_rss_bytes * mb:.0f}"
+            lines.append(f"| {tp} | {r} | {m.weight_bytes * mb:.0f} | {anon} | {hwm} |")
     load = os.getloadavg()[0]
     lines += ["", f"- Command: `{command}`",
               f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

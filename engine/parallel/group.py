@@ -28,7 +28,7 @@ from engine.parallel.comm import CollectiveError, GlooCollectives
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
-from engine.parallel.worker import WorkerSpec, init_message, worker_main
+from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class TPGroup:
         self.layout = segment_layout(config, model_config)
         self.state = state = _State(create_segment(self.layout))
         self._finalizer = weakref.finalize(self, state.teardown)
-        self.rank_memory: dict[int, dict[str, int]] = {}
+        self.rank_memory: dict[int, RankMemory] = {}  # ranks 1.. as they reported when ready
         try:
             ctx = mp.get_context("spawn")
             gloo = f"tcp://127.0.0.1:{_free_port()}" if config.tp_backend == "gloo" else None
@@ -145,7 +145,7 @@ class TPGroup:
             state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
                                  peers_alive=lambda: all(p.exitcode is None for p in procs),
                                  oversubscribed=is_oversubscribed(tp))
-            self._await("attached", config.tp_timeout_s + 60.0)
+            self._await(Attached, config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
             if gloo is not None:
                 state.gloo = GlooCollectives(0, tp, gloo, config.tp_timeout_s)
@@ -158,34 +158,35 @@ class TPGroup:
             self.close()
             raise
 
-    def _await(self, what: str, timeout_s: float) -> None:
-        """Each worker's next message must be `what`; its error is raised here."""
+    def _await(self, what: type, timeout_s: float) -> None:
+        """Each worker's next message must be a `what`; a worker's failure is raised here."""
+        name = what.__name__.lower()
         deadline = time.monotonic() + timeout_s
         for rank, (p, conn) in enumerate(zip(self.state.procs, self.state.conns), start=1):
             while not conn.poll(0.05):
                 if p.exitcode is not None:
                     raise CollectiveError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while starting")
                 if time.monotonic() > deadline:
-                    raise CollectiveError(f"tensor-parallel rank {rank}: not {what} after {timeout_s:g} s")
+                    raise CollectiveError(f"tensor-parallel rank {rank}: not {name} after {timeout_s:g} s")
             try:
-                kind, body = conn.recv()
+                msg = conn.recv()
             except EOFError:
                 p.join(1.0)
                 raise CollectiveError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while starting; "
                                       "a script that starts ranks needs an `if __name__ == '__main__':` guard "
                                       "(multiprocessing spawn imports it again)") from None
-            if kind == "error":
-                raise CollectiveError(f"tensor-parallel rank {rank} failed while starting: {body}")
-            if kind != what:
-                raise CollectiveError(f"tensor-parallel rank {rank}: expected {what!r}, got {kind!r}")
-            if what == "ready":
-                self.rank_memory[rank] = body
+            if isinstance(msg, Failed):
+                raise CollectiveError(f"tensor-parallel rank {rank} failed while starting: {msg.error}")
+            if not isinstance(msg, what):
+                raise CollectiveError(f"tensor-parallel rank {rank}: expected {name}, got {type(msg).__name__}")
+            if isinstance(msg, Ready):
+                self.rank_memory[rank] = msg.memory
 
     def finish_start(self, num_blocks: int) -> None:
         """Rank 0's shard and cache are built: the others size their caches alike; wait for all."""
         try:
             self.state.shm.send(init_message(num_blocks))
-            self._await("ready", START_TIMEOUT_S)
+            self._await(Ready, START_TIMEOUT_S)
         except BaseException:
             self.fail()
             raise
@@ -204,9 +205,9 @@ class TPGroup:
         for rank, conn in enumerate(self.state.conns, start=1):
             try:
                 if conn.poll(0):
-                    kind, body = conn.recv()
-                    if kind == "error":
-                        return f"rank {rank}: {body}"
+                    msg = conn.recv()
+                    if isinstance(msg, Failed):
+                        return f"rank {rank}: {msg.error}"
             except (OSError, EOFError):
                 continue
         return None

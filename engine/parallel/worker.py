@@ -44,11 +44,34 @@ class WorkerSpec:
     oversubscribed: bool  # more ranks than cores
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    weight_bytes: int  # the model's weights as this rank holds them
+    rss_anon_bytes: int  # private resident memory (RssAnon): weights, torch, KV cache
+    peak_rss_bytes: int  # VmHWM: peak resident, checkpoint pages read through the file mapping included
+
+
+# What a worker tells rank 0 over its pipe, in order: Attached, then Ready; Failed at any point.
+@dataclass(frozen=True)
+class Attached:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    memory: RankMemory
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str  # the exception and its traceback
+
+
 def init_message(num_blocks: int) -> bytes:
     return np.asarray([INIT, num_blocks, 0, 0, 0], dtype=np.int64).tobytes()
 
 
-def memory_report(model) -> dict[str, int]:
+def memory_report(model) -> RankMemory:
     """What this process holds: the model's weight bytes, its private resident memory now
     (RssAnon: the checkpoint pages it read through the file mapping are not counted) and its
     peak resident memory (VmHWM: those pages included)."""
@@ -70,8 +93,7 @@ def memory_report(model) -> dict[str, int]:
     except OSError:
         pass
     # VmHWM, not getrusage's ru_maxrss: that one carries the spawning parent's peak across exec
-    return {"weight_bytes": weight_bytes, "rss_anon_bytes": status.get("RssAnon", 0),
-            "peak_rss_bytes": status.get("VmHWM", 0)}
+    return RankMemory(weight_bytes, status.get("RssAnon", 0), status.get("VmHWM", 0))
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -92,7 +114,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         config = spec.config
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
                        peers_alive=lambda: os.getppid() == parent, oversubscribed=spec.oversubscribed)
-        conn.send(("attached", None))
+        conn.send(Attached())
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
         from engine.weights import read_config
@@ -114,7 +136,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
                                       num_kv_heads=layout.num_kv_heads)
         kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
         runner = ModelRunner(model, kv_caches, config.block_size)
-        conn.send(("ready", memory_report(model)))
+        conn.send(Ready(memory_report(model)))
         decoder = StepDecoder()
         with torch.no_grad():
             while True:
@@ -129,7 +151,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         if shm is not None:
             shm.abort()
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(Failed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except (OSError, ValueError):
             pass
     finally:
