@@ -48,17 +48,31 @@ def test_tp_greedy_equals_tp1_and_transformers(tmp_path, name):
         assert hf_greedy_mismatch(hf, p, o) is None, f"{name}: TP={tp} diverged from transformers"
 
 
+def greedy_mismatch(ref: LLM, prompt: list[int], output: list[int], margin: float) -> int | None:
+    """The first position where `output` is not `ref`'s greedy choice (teacher-forced on
+    prompt + output[:j]), ignoring near-ties: logprobs closer than `margin`. None: it agrees."""
+    forced = ref.generate([prompt + output[:j] for j in range(len(output))],
+                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=4))
+    for j, (tok, o) in enumerate(zip(output, forced)):
+        top = dict(o.logprobs[0]["top"])
+        if tok != o.token_ids[0] and (tok not in top or top[o.token_ids[0]] - top[tok] > margin):
+            return j
+    return None
+
+
 def test_tp_bf16_native_ops_run_the_shards(tmp_path):
-    """bf16 at TP=2 takes the per-op path on the shards (NativeOps where the CPU has the kernels):
-    the same tokens as TP=1's bf16 run, which may take FusedDecoder for decode."""
-    save_tiny_model(tmp_path, "llama")
+    """bf16 at TP=2 runs the per-op path on the shards (NativeOps where the CPU has the kernels;
+    FusedDecoder cannot all-reduce inside its one call). Partial sums are rounded to bf16 before
+    the all-reduce, so near-ties may break the other way than at TP=1: every token must be
+    TP=1's greedy choice up to bf16 rounding."""
+    save_tiny_model(tmp_path, "llama", initializer_range=0.2)  # peaked logits: a wrong sum shows
     prompts = random_prompts(3, 96, [7, 30], seed=2)
-    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64) as llm:
-        ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, tensor_parallel_size=2) as llm:
         assert llm.core.model.fused is None
         out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert out == ref
+    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=256) as ref:
+        for p, o in zip(prompts, out):
+            assert greedy_mismatch(ref, p, o, margin=0.05) is None
 
 
 @pytest.mark.slow
