@@ -2,7 +2,6 @@
 execute → update. Used by the offline LLM and by both serving stages."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,8 +59,8 @@ class EngineCore:
                 f"({model_config.max_position_embeddings})")
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
                                 shard=shard, comm=tp_group.comm if tp_group is not None else None)
-        self.kv_spec = dataclasses.replace(KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name),
-                                           num_kv_heads=shard.num_kv_heads)  # this rank's heads
+        self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
+                                             num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
         graphs = config.device.startswith("cuda") and not config.enforce_eager
         # with CUDA graphs, one block past the pool's is where padded batch rows write

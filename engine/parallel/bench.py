@@ -239,6 +239,10 @@ def render(ar: dict, steps: dict, mem: dict, command: str) -> str:
             anon = "(bench process)" if shared else f"{m.rss_anon_bytes * mb:.0f}"
             hwm = "(bench process)" if shared else f"{m.peak_rss_bytes * mb:.0f}"
             lines.append(f"| {tp} | {r} | {m.weight_bytes * mb:.0f} | {anon} | {hwm} |")
+    shm_us, ratio = ar["shm", "decode"]["median_us"], steps["tp2"]["step_ms"] / base
+    lines += ["", "Targets (issue 12): shm all-reduce of 576 floats <= 10 µs median: "
+              f"{shm_us:.1f} µs, {'met' if shm_us <= 10 else 'not met'}; TP=2 decode step within 1.3x TP=1's: "
+              f"{ratio:.2f}x, {'met' if ratio <= 1.3 else 'not met'} in this run."]
     load = os.getloadavg()[0]
     lines += ["", f"- Command: `{command}`",
               f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

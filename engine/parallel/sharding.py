@@ -79,23 +79,23 @@ class ShardLayout:
 
 @dataclass(frozen=True)
 class WeightShard:
-    """One rank's piece of a checkpoint tensor: ``ranges`` along ``dim``, concatenated
-    (several ranges: none today, kept for fused checkpoints); ``pad_to`` rows of zeros past the
-    tensor's end (the vocab padding). dim None: the whole tensor (replicated)."""
+    """One rank's piece of a checkpoint tensor: [start, stop) along ``dim``, then zeros up to
+    ``pad_to`` rows (the vocabulary padding). dim None: the whole tensor (replicated)."""
 
     dim: int | None
-    ranges: tuple[tuple[int, int], ...] = ()
+    start: int = 0
+    stop: int = 0
     pad_to: int | None = None
 
 
 def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShard]:
     """The plan: every tensor the model takes, and how `layout`'s rank cuts it."""
     hd = cfg.head_dim
-    q = ((layout.head_start * hd, (layout.head_start + layout.num_heads) * hd),)
-    kv = ((layout.kv_head_start * hd, (layout.kv_head_start + layout.num_kv_heads) * hd),)
-    mlp = ((layout.rank * layout.intermediate_size, (layout.rank + 1) * layout.intermediate_size),)
+    q = (layout.head_start * hd, (layout.head_start + layout.num_heads) * hd)
+    kv = (layout.kv_head_start * hd, (layout.kv_head_start + layout.num_kv_heads) * hd)
+    mlp = (layout.rank * layout.intermediate_size, (layout.rank + 1) * layout.intermediate_size)
     v0 = layout.vocab_start
-    vocab = WeightShard(0, ((min(v0, cfg.vocab_size), min(v0 + layout.vocab_shard, cfg.vocab_size)),),
+    vocab = WeightShard(0, min(v0, cfg.vocab_size), min(v0 + layout.vocab_shard, cfg.vocab_size),
                         pad_to=layout.vocab_shard)
     whole = WeightShard(None)
     plan = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab, "model.norm.weight": whole}
@@ -104,37 +104,21 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
         plan.update({
             p + "input_layernorm.weight": whole,
             p + "post_attention_layernorm.weight": whole,
-            p + "self_attn.q_proj.weight": WeightShard(0, q),
-            p + "self_attn.k_proj.weight": WeightShard(0, kv),
-            p + "self_attn.v_proj.weight": WeightShard(0, kv),
-            p + "self_attn.o_proj.weight": WeightShard(1, q),
-            p + "mlp.gate_proj.weight": WeightShard(0, mlp),
-            p + "mlp.up_proj.weight": WeightShard(0, mlp),
-            p + "mlp.down_proj.weight": WeightShard(1, mlp),
+            p + "self_attn.q_proj.weight": WeightShard(0, *q),
+            p + "self_attn.k_proj.weight": WeightShard(0, *kv),
+            p + "self_attn.v_proj.weight": WeightShard(0, *kv),
+            p + "self_attn.o_proj.weight": WeightShard(1, *q),
+            p + "mlp.gate_proj.weight": WeightShard(0, *mlp),
+            p + "mlp.up_proj.weight": WeightShard(0, *mlp),
+            p + "mlp.down_proj.weight": WeightShard(1, *mlp),
         })
         if cfg.attention_bias:
-            plan.update({p + "self_attn.q_proj.bias": WeightShard(0, q),
-                         p + "self_attn.k_proj.bias": WeightShard(0, kv),
-                         p + "self_attn.v_proj.bias": WeightShard(0, kv)})
+            plan.update({p + "self_attn.q_proj.bias": WeightShard(0, *q),
+                         p + "self_attn.k_proj.bias": WeightShard(0, *kv),
+                         p + "self_attn.v_proj.bias": WeightShard(0, *kv)})
         if cfg.qk_norm:
             plan.update({p + "self_attn.q_norm.weight": whole, p + "self_attn.k_norm.weight": whole})
     return plan
-
-
-def local_shape(shape: tuple[int, ...], shard: WeightShard) -> tuple[int, ...]:
-    if shard.dim is None:
-        return tuple(shape)
-    n = shard.pad_to if shard.pad_to is not None else sum(b - a for a, b in shard.ranges)
-    return tuple(n if d == shard.dim else s for d, s in enumerate(shape))
-
-
-def cut(t: torch.Tensor, shard: WeightShard) -> torch.Tensor:
-    """`shard` of a full tensor (what `load_shard` reads from disk; for tests and in-memory weights)."""
-    if shard.dim is None:
-        return t
-    parts = [t.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
-    out = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
-    return _pad(out, shard)
 
 
 def _pad(t: torch.Tensor, shard: WeightShard) -> torch.Tensor:
@@ -148,13 +132,9 @@ def _pad(t: torch.Tensor, shard: WeightShard) -> torch.Tensor:
 def _read_slice(f, name: str, shard: WeightShard, dtype: torch.dtype) -> torch.Tensor:
     if shard.dim is None:
         return f.get_tensor(name).to(dtype)
-    sl = f.get_slice(name)
-    parts = []
-    for a, b in shard.ranges:
-        index = (slice(a, b),) if shard.dim == 0 else (slice(None), slice(a, b))
-        parts.append(sl[index].to(dtype))
-    out = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
-    return _pad(out.contiguous(), shard)
+    rows = slice(shard.start, shard.stop)
+    t = f.get_slice(name)[rows] if shard.dim == 0 else f.get_slice(name)[:, rows]
+    return _pad(t.to(dtype).contiguous(), shard)
 
 
 def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = torch.float32
@@ -191,10 +171,3 @@ def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = tor
     if missing:
         raise CheckpointError(f"{folder}: tensor {missing[0]!r} is missing")
     return cfg, out
-
-
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], layout: ShardLayout
-                  ) -> dict[str, torch.Tensor]:
-    """This rank's pieces of full in-memory weights (what `load_shard` gives from disk)."""
-    plan = weight_shards(cfg, layout)
-    return {name: cut(t, plan[name]) for name, t in weights.items() if name in plan}

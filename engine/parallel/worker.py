@@ -107,8 +107,9 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         from engine.parallel.comm import GlooCollectives
         from engine.parallel.sharding import ShardLayout, load_shard
         from engine.parallel.shm import ShmGroup
-        from engine.parallel.step import StepDecoder
+        from engine.parallel.step import STOP, StepDecoder
         from engine.runner import ModelRunner
+        from engine.weights import read_config
 
         torch.set_num_threads(spec.num_threads)
         config = spec.config
@@ -117,23 +118,20 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         conn.send(Attached())
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
-        from engine.weights import read_config
-
         cfg = read_config(spec.model_dir)
         layout = ShardLayout.for_rank(cfg, spec.rank, spec.size)
-        cfg, weights = load_shard(spec.model_dir, layout, torch.float32)
+        _, weights = load_shard(spec.model_dir, layout, torch.float32)
         dtype_name = pick_dtype(config.dtype, config.device)
         max_len = config.max_model_len or cfg.max_position_embeddings
         model = LlamaModel(cfg, weights, torch_dtype(dtype_name), config.device, max_positions=max_len,
                            shard=layout, comm=comm)
         del weights
         init = np.frombuffer(shm.recv(), dtype=np.int64)
+        if init[0] == STOP:  # rank 0 gave up while starting
+            return
         if init[0] != INIT:
             raise RuntimeError(f"rank {spec.rank}: expected the init message, got kind {init[0]}")
-        import dataclasses
-
-        kv_spec = dataclasses.replace(KVCacheSpec.for_model(cfg, config.block_size, dtype_name),
-                                      num_kv_heads=layout.num_kv_heads)
+        kv_spec = KVCacheSpec.for_model(cfg, config.block_size, dtype_name, num_kv_heads=layout.num_kv_heads)
         kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
         runner = ModelRunner(model, kv_caches, config.block_size)
         conn.send(Ready(memory_report(model)))
