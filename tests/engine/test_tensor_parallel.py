@@ -70,6 +70,7 @@ def test_tp_bf16_native_ops_run_the_shards(tmp_path):
     with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, tensor_parallel_size=2) as llm:
         assert llm.core.model.fused is None
         out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.core.pool.is_fully_free()
     with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=256) as ref:
         for p, o in zip(prompts, out):
             assert greedy_mismatch(ref, p, o, margin=0.05) is None

@@ -89,6 +89,7 @@ def test_close_stops_the_workers_and_the_segment_is_gone_once_started(model):
     assert len(pids) == 1 and spawned_children() == pids
     assert segments() == before  # unlinked as soon as every rank mapped it
     llm.generate(random_prompts(2, 96, [4]), SamplingParams(max_tokens=4, temperature=0.0))
+    assert llm.core.pool.is_fully_free()
     llm.close()
     assert not any(is_running(p) for p in pids)
     llm.close()  # idempotent
