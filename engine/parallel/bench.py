@@ -256,9 +256,9 @@ def render(ar: dict, steps: dict, mem: dict, command: str) -> str:
 BOUNDS = """
 - What bounds each figure:
   - shm all-reduce: two cache-line flag handoffs between the cores plus Python's per-call cost (a copy in,
-    a flag store, a spin, an add): a few µs when both ranks are on a core; the median is set by
-    scheduling as soon as the cores are shared (a rank that is descheduled makes its peer wait for a time
-    slice). The prefill chunk is bound by copying 590 KB in and reading 2 x 590 KB out, i.e. memory bandwidth.
+    a flag store, a spin, an add): about 5 µs when each rank has a core of its own; as soon as other work
+    shares the cores the median is set by scheduling (when both ranks land on one core, each handoff is
+    a spin of 10 µs, a yield and a context switch: ~50 µs). The prefill chunk is bound by copying 590 KB in and reading 2 x 590 KB out, i.e. memory bandwidth.
   - gloo: loopback TCP, two round trips through the kernel per all-reduce, whatever the payload size
     for small ones; its large payloads are bound by the socket copies.
   - decode step: TP=1 fused reads every weight once per token on 2 threads (memory-bound, plus one native
