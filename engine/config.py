@@ -126,6 +126,7 @@ class ModelConfig:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TP_BACKENDS = ("shm", "gloo")
 
 
 @dataclass
@@ -144,6 +145,12 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never replay captured decode graphs (engine/cuda_graph.py)
     kv_cache_prefault: bool = False  # CPU: write every page of the KV cache at start (kv_cache.allocate_kv_cache)
+    # tensor parallelism (engine/parallel): ranks, the all-reduce between them ("shm": shared
+    # memory on one host, "gloo": torch.distributed over TCP), and how long a collective may wait.
+    # kv_cache_memory_gb / num_kv_blocks are per rank (each rank's cache holds only its KV heads).
+    tensor_parallel_size: int = 1
+    tp_backend: str = "shm"
+    tp_timeout_s: float = 60.0
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -154,6 +161,15 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs: must be > 0, got {self.max_num_seqs}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        if tp > 1 and not self.device.startswith("cpu"):
+            raise ConfigError(f"tensor_parallel_size: {tp} runs on CPU only so far (device {self.device!r})")
+        if self.tp_backend not in TP_BACKENDS:
+            raise ConfigError(f"tp_backend: must be one of {TP_BACKENDS}, got {self.tp_backend!r}")
+        if not self.tp_timeout_s > 0:
+            raise ConfigError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(
                 f"max_num_batched_tokens: must be >= block_size ({self.block_size}), "

@@ -38,8 +38,16 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig):
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
+                 tp_group=None):
+        """``weights``: the whole checkpoint, or with tensor_parallel_size > 1 rank 0's shard, with
+        ``tp_group`` (engine.parallel.TPGroup) the other ranks: use engine.parallel.start_engine."""
         config.validate()
+        from engine.parallel.sharding import ShardLayout
+
+        shard = ShardLayout.for_rank(model_config, 0, config.tensor_parallel_size)
+        if shard.is_sharded and tp_group is None:
+            raise ConfigError("tensor_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
         self.config = config
         self.model_config = model_config
         self.dtype_name = pick_dtype(config.dtype, config.device)
@@ -49,8 +57,10 @@ class EngineCore:
             raise ConfigError(
                 f"max_model_len: {self.max_model_len} exceeds the model's context "
                 f"({model_config.max_position_embeddings})")
-        self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len)
-        self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name)
+        self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
+                                shard=shard, comm=tp_group.comm if tp_group is not None else None)
+        self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
+                                             num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
         graphs = config.device.startswith("cuda") and not config.enforce_eager
         # with CUDA graphs, one block past the pool's is where padded batch rows write
@@ -60,7 +70,13 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.seed)
+        self.tp_group = tp_group
+        if tp_group is not None:
+            from engine.parallel.runner import TPRunner
+
+            self.runner = TPRunner(self.model, self.kv_caches, config.block_size, config.seed, tp_group)
+        else:
+            self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.seed)
         if graphs:
             from engine.cuda_graph import DecodeGraphs
 
@@ -69,6 +85,13 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        if tp_group is not None:
+            tp_group.finish_start(num_blocks)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ---- requests ------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int = 1) -> None:

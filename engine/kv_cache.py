@@ -39,8 +39,10 @@ class KVCacheSpec:
     dtype: str  # "float32" | "bfloat16" | "float16"
 
     @classmethod
-    def for_model(cls, model: ModelConfig, block_size: int, dtype: str) -> "KVCacheSpec":
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    def for_model(cls, model: ModelConfig, block_size: int, dtype: str,
+                  num_kv_heads: int | None = None) -> "KVCacheSpec":
+        """``num_kv_heads``: the heads one tensor-parallel rank holds (default: all of them)."""
+        return cls(model.num_layers, num_kv_heads or model.num_kv_heads, model.head_dim, block_size, dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:

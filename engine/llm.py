@@ -39,6 +39,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        tp_backend: str = "shm",
+        tp_timeout_s: float = 60.0,
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -48,18 +51,24 @@ class LLM:
             dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager)
+            enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
-        model_config, weights = load_checkpoint(self.model_dir, torch.float32)
         try:
             self.tokenizer = Tokenizer.from_folder(self.model_dir)
         except TokenizerError:
             self.tokenizer = None  # a bare checkpoint: prompts must be token ids, outputs have no text
-        self.core = EngineCore(model_config, weights, config)
+        if config.tensor_parallel_size > 1:
+            from engine.parallel import start_engine
+
+            self.core = start_engine(self.model_dir, config)  # ranks 1..N-1 in processes of their own
+        else:
+            model_config, weights = load_checkpoint(self.model_dir, torch.float32)
+            self.core = EngineCore(model_config, weights, config)
+            del weights
         if self.tokenizer is not None:
             self.core.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
-        del weights
         self.outputs = OutputProcessor(self.tokenizer)
         self._texts: dict[str, str] = {}  # request id -> its text so far
         self._ids = itertools.count()
@@ -67,6 +76,17 @@ class LLM:
     @property
     def model_config(self):
         return self.core.model_config
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (garbage collection and
+        interpreter exit do it too). Idempotent."""
+        self.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- request intake -------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

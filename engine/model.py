@@ -4,6 +4,12 @@ The model is a pure function of (tokens, positions, batch metadata, KV cache):
 ``forward`` writes each layer's new keys and values into the paged cache and
 returns the final hidden states. Sampling positions are picked by the caller.
 Weights are taken in Hugging Face naming and fused at load (q|k|v, gate|up).
+
+Tensor parallelism is applied from outside: the weights come already cut by
+`engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
+and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
+after o_proj, after down_proj and after the vocab-parallel embedding, and a
+gather of the vocab-parallel logits). At TP=1 both are no-ops.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import torch.nn.functional as F
 from engine.attention import BatchMetadata, paged_attention
 from engine.config import ConfigError, ModelConfig
 from engine.kernels import MAX_FUSED_ROWS
+from engine.parallel.comm import SINGLE, Collectives
+from engine.parallel.sharding import ShardLayout
 
 LayerHook = Callable[[int], None]
 
@@ -69,17 +77,19 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", max_positions: int | None = None,
-                 use_kernels: bool = True):
+                 use_kernels: bool = True, shard: ShardLayout | None = None, comm: Collectives | None = None):
         self.cfg = cfg
+        self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
+        self.comm = comm or SINGLE
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = shard.num_heads * cfg.head_dim  # this rank's heads
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         w = _WeightTaker(weights, dtype, self.device)
-        self.embed = w.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.embed = w.take("model.embed_tokens.weight", (shard.vocab_shard, cfg.hidden_size))
         self.layers: list[Layer] = []
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, shard.intermediate_size
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             L = Layer()
@@ -109,7 +119,7 @@ class LlamaModel:
             self.layers.append(L)
         self.norm = w.take("model.norm.weight", (H,))
         if "lm_head.weight" in weights:
-            self.lm_head = w.take("lm_head.weight", (cfg.vocab_size, H))
+            self.lm_head = w.take("lm_head.weight", (shard.vocab_shard, H))
         elif cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
@@ -122,7 +132,9 @@ class LlamaModel:
             self._pack_matmul_weights()
         if self.device.type == "cpu":
             self._to_huge_pages()
-        self.fused = self.ops.fused_decoder(self)  # None: every batch takes the per-op path
+        # None: every batch takes the per-op path. FusedDecoder runs the whole stack in one native call,
+        # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards
+        self.fused = None if shard.is_sharded else self.ops.fused_decoder(self)
 
     def _pack_matmul_weights(self) -> None:
         """The matmul weights into the native kernel's layout (engine.kernels.PackedWeight),
@@ -143,7 +155,14 @@ class LlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         # embed None: tied to the LM head, which is held packed
-        return self.ops.embedding(input_ids, self.lm_head if self.embed is None else self.embed)
+        table = self.lm_head if self.embed is None else self.embed
+        if not self.shard.is_sharded:
+            return self.ops.embedding(input_ids, table)
+        # vocab-parallel: each rank looks up the ids in its rows, zeros the others, and the sum is the lookup
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_shard)
+        x = self.ops.embedding(local.masked_fill(outside, 0), table)
+        return self.comm.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
 
     def _to_huge_pages(self) -> None:
         """Every weight into one huge-page arena (engine/hugepages.py): decode streams them all each step."""
@@ -170,8 +189,8 @@ class LlamaModel:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         T = input_ids.shape[0]
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        ops = self.ops
+        nh, nkv, hd = self.shard.num_heads, self.shard.num_kv_heads, cfg.head_dim  # this rank's heads
+        ops, all_reduce = self.ops, self.comm.all_reduce
         if (self.fused is not None and not meta.prefills and layer_hook is None and T <= MAX_FUSED_ROWS):
             # a batch of decode tokens only: the whole stack in one native call
             return self.fused.forward(self.embed_tokens(input_ids), positions, meta.slot_blocks,
@@ -195,15 +214,21 @@ class LlamaModel:
             attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale, ops.decode_attention)  # [T, nh, hd]
             if layer_hook is not None:
                 layer_hook(i)
-            x, h = ops.add_rms_norm(x, linear(attn.view(T, self.q_size), L.o_w), L.post_norm, eps)
-            mlp = linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w)
+            # row-parallel o_proj and down_proj: partial sums, one all-reduce each
+            x, h = ops.add_rms_norm(x, all_reduce(linear(attn.view(T, self.q_size), L.o_w)), L.post_norm, eps)
+            mlp = all_reduce(linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w))
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.ops.logits(hidden, self.lm_head)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, vocab] float32
+        """The logits of `hidden`'s rows; sharded, only on the rank that samples (None on the others)."""
+        logits = self.ops.logits(hidden, self.lm_head)  # [N, vocab_shard]
+        if not self.shard.is_sharded:
+            return logits
+        full = self.comm.gather_vocab(logits)  # [N, size * vocab_shard] on the sampling rank
+        return None if full is None else full[:, : self.shard.vocab_size]
 
 
 class _WeightTaker:

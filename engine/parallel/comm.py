@@ -1,0 +1,108 @@
+"""The collectives a sharded model calls, injected into it (engine.model.LlamaModel's ``comm``).
+
+A model sees only `Collectives`: ``all_reduce`` (sum across the ranks, the
+result on every rank) and ``gather_vocab`` (the vocab-parallel logits,
+concatenated along the vocabulary on the rank that samples). `SINGLE` is the
+TP=1 no-op. The implementations live beside this module and are chosen by
+name: ``shm`` (engine.parallel.shm, ranks on one host) and ``gloo``
+(torch.distributed over TCP); imported lazily, so the model imports no
+torch.distributed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete: a rank died, failed, or did not arrive in time."""
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank spent in collectives (engine.parallel.bench reads it). Seconds are wall
+    time inside the calls: the data movement and the wait for the slowest rank."""
+
+    num_all_reduces: int = 0
+    bytes_all_reduced: int = 0  # this rank's tensors, summed
+    all_reduce_s: float = 0.0
+    gather_s: float = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.num_all_reduces += 1
+        self.bytes_all_reduced += nbytes
+        self.all_reduce_s += seconds
+
+
+class Collectives(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (contiguous; may be reduced in place and returned).
+        Every rank gets the same bits."""
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: [N, vocab_shard] -> [N, size * vocab_shard] (rank order) on rank 0, None elsewhere."""
+
+
+class _Single:
+    rank, size = 0, 1
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def gather_vocab(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+SINGLE: Collectives = _Single()
+
+
+class GlooCollectives:
+    """torch.distributed with the gloo backend (CPU tensors, over TCP even on one host:
+    each all-reduce costs round trips between the processes; engine.parallel.bench measures it).
+    bf16 is summed in fp32, as the shared-memory path does."""
+
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float):
+        import torch.distributed as dist
+
+        self.rank, self.size, self._dist = rank, size, dist
+        self.stats = CollectiveStats()
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            if x.dtype == torch.float32:
+                self._dist.all_reduce(x)
+            else:
+                acc = x.float()
+                self._dist.all_reduce(acc)
+                x.copy_(acc)
+        except RuntimeError as e:
+            raise CollectiveError(f"tensor-parallel all-reduce (gloo) failed on rank {self.rank}: {e}") from e
+        self.stats.add(x.numel() * x.element_size(), time.perf_counter() - t0)
+        return x
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            self._dist.gather(x, parts, dst=0)
+        except RuntimeError as e:
+            raise CollectiveError(f"tensor-parallel gather (gloo) failed on rank {self.rank}: {e}") from e
+        self.stats.gather_s += time.perf_counter() - t0
+        return torch.cat(parts, dim=1) if parts is not None else None
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()

@@ -1,0 +1,225 @@
+"""Rank 0's handle on a tensor-parallel group on one host: the worker processes, the
+shared segment, the collectives, and their teardown.
+
+    group = TPGroup(model_dir, config, model_config)   # creates the segment, spawns ranks 1..N-1
+    ... rank 0 builds its own shard of the model (EngineCore) ...
+    group.finish_start(num_blocks)                     # every rank allocates its cache; all ready
+    group.send_step(payload)                           # once per step (engine.parallel.step)
+    group.close()                                      # STOP, join; or abort and kill
+
+Teardown is also registered with `weakref.finalize`, so garbage collection
+and interpreter exit close the group too; a failed step (an exception, a
+dead or stuck rank, Ctrl-C) aborts it. No worker outlives it, and the
+segment's file is unlinked as soon as every rank has mapped it (before that,
+by teardown). A worker whose rank 0 vanished (SIGKILL) notices within
+milliseconds and exits.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+import weakref
+
+from engine.config import EngineConfig, ModelConfig
+from engine.parallel.comm import CollectiveError, GlooCollectives
+from engine.parallel.sharding import ShardLayout
+from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
+from engine.parallel.step import stop_message
+from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message, worker_main
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint
+JOIN_TIMEOUT_S = 5.0
+
+
+def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLayout:
+    tp = config.tensor_parallel_size
+    shard = ShardLayout.for_rank(model_config, 0, tp)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    max_blocks = -(-max_len // config.block_size)
+    rows = max(config.max_num_seqs, 1)
+    # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
+    ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
+    return SegmentLayout.make(
+        tp,
+        ar_bytes=min(config.max_num_batched_tokens * model_config.hidden_size * 4, 16 << 20),
+        gather_bytes=min(rows * shard.vocab_shard * 4, 16 << 20),
+        ctrl_bytes=8 * ctrl_ints)
+
+
+def threads_per_rank(tp: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // tp)
+
+
+def is_oversubscribed(tp: int) -> bool:
+    return tp > len(os.sched_getaffinity(0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _State:
+    """What teardown needs, without a reference to the TPGroup (so finalize can run)."""
+
+    def __init__(self, segment: str):
+        self.segment = segment
+        self.is_unlinked = False
+        self.procs: list = []
+        self.conns: list = []
+        self.shm: ShmGroup | None = None
+        self.gloo: GlooCollectives | None = None
+        self.is_healthy = True
+        self.is_closed = False
+        self.num_threads: int | None = None  # this process's torch threads before the group set its own
+
+    def unlink(self) -> None:
+        if not self.is_unlinked:
+            unlink_segment(self.segment)
+            self.is_unlinked = True
+
+    def teardown(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        try:
+            if self.shm is not None:
+                if self.is_healthy:
+                    self.shm.send(stop_message())
+                else:
+                    self.shm.abort()
+            # an aborted worker exits as soon as it sees the flag; one that does not is stuck or stopped
+            deadline = time.monotonic() + (JOIN_TIMEOUT_S if self.is_healthy else 1.0)
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if self.is_healthy and any(p.is_alive() for p in self.procs) and self.shm is not None:
+                self.shm.abort()  # stuck in a collective: make it raise
+                for p in self.procs:
+                    p.join(1.0)
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(JOIN_TIMEOUT_S)
+        finally:
+            if self.num_threads is not None:
+                import torch
+
+                torch.set_num_threads(self.num_threads)
+            self.unlink()
+            for c in self.conns:
+                c.close()
+            if self.gloo is not None:
+                self.gloo.close()
+            if self.shm is not None:
+                self.shm.close()
+
+
+class TPGroup:
+    def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig):
+        tp = config.tensor_parallel_size
+        self.size = tp
+        self.layout = segment_layout(config, model_config)
+        self.state = state = _State(create_segment(self.layout))
+        self._finalizer = weakref.finalize(self, state.teardown)
+        self.rank_memory: dict[int, RankMemory] = {}  # ranks 1.. as they reported when ready
+        try:
+            ctx = mp.get_context("spawn")
+            gloo = f"tcp://127.0.0.1:{_free_port()}" if config.tp_backend == "gloo" else None
+            threads = threads_per_rank(tp)
+            for rank in range(1, tp):
+                parent, child = ctx.Pipe()
+                spec = WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
+                                  is_oversubscribed(tp))
+                p = ctx.Process(target=worker_main, args=(spec, child), name=f"kvrelay-tp-rank{rank}", daemon=True)
+                p.start()
+                child.close()
+                state.procs.append(p)
+                state.conns.append(parent)
+            procs = state.procs  # (not self: the finalizer must not keep the group alive)
+            state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
+                                 peers_alive=lambda: all(p.exitcode is None for p in procs),
+                                 oversubscribed=is_oversubscribed(tp))
+            self._await(Attached, config.tp_timeout_s + 60.0)
+            state.unlink()  # every rank maps it: the file is not needed any more
+            if gloo is not None:
+                state.gloo = GlooCollectives(0, tp, gloo, config.tp_timeout_s)
+            self.comm = state.gloo or state.shm
+            import torch
+
+            state.num_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)  # rank 0 runs in this process: its share of the cores, until close
+        except BaseException:
+            self.close()
+            raise
+
+    def _await(self, what: type, timeout_s: float) -> None:
+        """Each worker's next message must be a `what`; a worker's failure is raised here."""
+        name = what.__name__.lower()
+        deadline = time.monotonic() + timeout_s
+        for rank, (p, conn) in enumerate(zip(self.state.procs, self.state.conns), start=1):
+            while not conn.poll(0.05):
+                if p.exitcode is not None:
+                    raise CollectiveError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while starting")
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"tensor-parallel rank {rank}: not {name} after {timeout_s:g} s")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                p.join(1.0)
+                raise CollectiveError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while starting; "
+                                      "a script that starts ranks needs an `if __name__ == '__main__':` guard "
+                                      "(multiprocessing spawn imports it again)") from None
+            if isinstance(msg, Failed):
+                raise CollectiveError(f"tensor-parallel rank {rank} failed while starting: {msg.error}")
+            if not isinstance(msg, what):
+                raise CollectiveError(f"tensor-parallel rank {rank}: expected {name}, got {type(msg).__name__}")
+            if isinstance(msg, Ready):
+                self.rank_memory[rank] = msg.memory
+
+    def finish_start(self, num_blocks: int) -> None:
+        """Rank 0's shard and cache are built: the others size their caches alike; wait for all."""
+        try:
+            self.state.shm.send(init_message(num_blocks))
+            self._await(Ready, START_TIMEOUT_S)
+        except BaseException:
+            self.fail()
+            raise
+
+    def send_step(self, payload: bytes) -> None:
+        self.check()
+        self.state.shm.send(payload)
+
+    def check(self) -> None:
+        """Raise where the group can no longer run a step."""
+        if self.state.is_closed or not self.state.is_healthy:
+            raise CollectiveError("the tensor-parallel group is down (a rank failed or it was closed)")
+
+    def worker_error(self) -> str | None:
+        """The first error a worker reported, if any (after a failed collective)."""
+        for rank, conn in enumerate(self.state.conns, start=1):
+            try:
+                if conn.poll(0):
+                    msg = conn.recv()
+                    if isinstance(msg, Failed):
+                        return f"rank {rank}: {msg.error}"
+            except (OSError, EOFError):
+                continue
+        return None
+
+    def fail(self) -> None:
+        """A step failed part-way (the ranks' collectives are out of step): abort and tear down."""
+        self.state.is_healthy = False
+        self.close()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.state.procs]

@@ -1,0 +1,158 @@
+"""A tensor-parallel rank other than 0: a spawned process that runs its shard of every step.
+
+Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
+
+1. attach: map the shared segment (and join gloo, with that backend);
+2. load: read this rank's shard of the checkpoint, build the model on it;
+3. init: take the KV cache size from rank 0's first message, allocate this
+   rank's cache (its KV heads only), report ready with its memory figures;
+4. run: for each step message, rebuild the batch from the mirrored block
+   tables, run the forward (joining every all-reduce) and, where the batch
+   samples, hand its vocabulary slice of the logits to rank 0;
+5. stop: on STOP, on an abort, or when rank 0's process is gone.
+
+Errors are sent to rank 0 over the pipe, and the group is aborted so that no
+rank waits for this one. SIGINT is ignored: Ctrl-C reaches rank 0, which
+tears the group down.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.parallel.shm import SegmentLayout
+
+INIT = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    size: int
+    model_dir: str
+    config: EngineConfig
+    segment: str
+    layout: SegmentLayout
+    num_threads: int
+    gloo_init_method: str | None  # set with tp_backend "gloo"
+    oversubscribed: bool  # more ranks than cores
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    weight_bytes: int  # the model's weights as this rank holds them
+    rss_anon_bytes: int  # private resident memory (RssAnon): weights, torch, KV cache
+    peak_rss_bytes: int  # VmHWM: peak resident, checkpoint pages read through the file mapping included
+
+
+# What a worker tells rank 0 over its pipe, in order: Attached, then Ready; Failed at any point.
+@dataclass(frozen=True)
+class Attached:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    memory: RankMemory
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str  # the exception and its traceback
+
+
+def init_message(num_blocks: int) -> bytes:
+    return np.asarray([INIT, num_blocks, 0, 0, 0], dtype=np.int64).tobytes()
+
+
+def memory_report(model) -> RankMemory:
+    """What this process holds: the model's weight bytes, its private resident memory now
+    (RssAnon: the checkpoint pages it read through the file mapping are not counted) and its
+    peak resident memory (VmHWM: those pages included)."""
+    from engine.kernels import PackedWeight
+
+    seen, weight_bytes = set(), 0
+    tensors = [model.embed, model.lm_head, model.norm] + [getattr(L, n) for L in model.layers for n in L.__slots__]
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        weight_bytes += t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
+    status = {}
+    try:
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmHWM"):
+                status[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    # VmHWM, not getrusage's ru_maxrss: that one carries the spawning parent's peak across exec
+    return RankMemory(weight_bytes, status.get("RssAnon", 0), status.get("VmHWM", 0))
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    shm = comm = None
+    try:
+        from engine.core import pick_dtype
+        from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
+        from engine.model import LlamaModel
+        from engine.parallel.comm import GlooCollectives
+        from engine.parallel.sharding import ShardLayout, load_shard
+        from engine.parallel.shm import ShmGroup
+        from engine.parallel.step import STOP, StepDecoder
+        from engine.runner import ModelRunner
+        from engine.weights import read_config
+
+        torch.set_num_threads(spec.num_threads)
+        config = spec.config
+        shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
+                       peers_alive=lambda: os.getppid() == parent, oversubscribed=spec.oversubscribed)
+        conn.send(Attached())
+        comm = shm if spec.gloo_init_method is None else GlooCollectives(
+            spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
+        cfg = read_config(spec.model_dir)
+        layout = ShardLayout.for_rank(cfg, spec.rank, spec.size)
+        _, weights = load_shard(spec.model_dir, layout, torch.float32)
+        dtype_name = pick_dtype(config.dtype, config.device)
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        model = LlamaModel(cfg, weights, torch_dtype(dtype_name), config.device, max_positions=max_len,
+                           shard=layout, comm=comm)
+        del weights
+        init = np.frombuffer(shm.recv(), dtype=np.int64)
+        if init[0] == STOP:  # rank 0 gave up while starting
+            return
+        if init[0] != INIT:
+            raise RuntimeError(f"rank {spec.rank}: expected the init message, got kind {init[0]}")
+        kv_spec = KVCacheSpec.for_model(cfg, config.block_size, dtype_name, num_kv_heads=layout.num_kv_heads)
+        kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
+        runner = ModelRunner(model, kv_caches, config.block_size)
+        conn.send(Ready(memory_report(model)))
+        decoder = StepDecoder()
+        with torch.no_grad():
+            while True:
+                rows = decoder.decode(shm.recv())
+                if rows is None:
+                    break
+                input_ids, positions, meta, sample_rows = runner.prepare(rows)
+                hidden = model.forward(input_ids, positions, meta, kv_caches)
+                if sample_rows:
+                    model.compute_logits(hidden[sample_rows])  # this rank's vocabulary slice, to rank 0
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which decides
+        if shm is not None:
+            shm.abort()
+        try:
+            conn.send(Failed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+    finally:
+        if comm is not None and comm is not shm:
+            comm.close()
+        conn.close()
