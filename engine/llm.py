@@ -39,6 +39,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         enforce_eager: bool = False,
+        kernel_isa: str = "auto",
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -48,7 +49,8 @@ class LLM:
             dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager)
+            enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
+            kernel_isa=kernel_isa)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         model_config, weights = load_checkpoint(self.model_dir, torch.float32)
@@ -57,6 +59,8 @@ class LLM:
         except TokenizerError:
             self.tokenizer = None  # a bare checkpoint: prompts must be token ids, outputs have no text
         self.core = EngineCore(model_config, weights, config)
+        if config.kernel_isa != "auto":  # EngineCore builds its model on the best kernels the CPU runs
+            self.core.model.select_kernels(config.kernel_isa)
         if self.tokenizer is not None:
             self.core.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
         del weights
