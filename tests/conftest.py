@@ -43,15 +43,20 @@ def _isa_names():
     return ISA_NAMES
 
 
+def require_isa(isa: str) -> str:
+    """Skip the calling test where this CPU lacks `isa`; else count it as exercised."""
+    from engine.kernels import cpu_isas
+
+    if isa not in cpu_isas():
+        pytest.skip(f"CPU lacks {isa}")
+    _exercised_isas.add(isa)
+    return isa
+
+
 @pytest.fixture(scope="session", params=_isa_names())
 def kernel_isa(request) -> str:
     """A native kernel ISA path (engine.kernels.ISA_NAMES) this CPU runs."""
-    from engine.kernels import cpu_isas
-
-    if request.param not in cpu_isas():
-        pytest.skip(f"CPU lacks {request.param}")
-    _exercised_isas.add(request.param)
-    return request.param
+    return require_isa(request.param)
 
 
 def pytest_terminal_summary(terminalreporter):
