@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <c10/util/BFloat16.h>
 
@@ -102,10 +103,15 @@ struct MatmulTile {
   using XElem = bf16;
   static constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 broadcast
   static bool packs_x(int64_t M) { return M > 4 * kMaxRows; }
+  struct Block {  // what the tiles of one block read: the packed block itself
+    const bf16* w;
+    Block(const bf16* w_, int64_t /*K*/, int64_t /*tiles*/) : w(w_) {}
+  };
 
   template <int MR, bool XP, class Out>
-  static void tile(const XElem* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
+  static void tile(const XElem* x, const Block& blk, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                    int64_t pf_len) {
+    const bf16* wb = blk.w;
     __m512 lo[MR], hi[MR];
     for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
     Prefetcher fetch(pf, pf_len, K / 2);
@@ -209,28 +215,91 @@ struct Vec {
   }
 };
 
-// bf16 weights widened to fp32 in registers, fp32 FMAs. A k-pair of 8
+// bf16 weights widened to fp32 (a 16-bit shift), fp32 FMAs. A k-pair of 8
 // columns is one ymm of 32-bit (W[c][k], W[c][k+1]) pairs: W[c][k] is the
 // lane shifted left 16 bits, W[c][k+1] the lane with its low half cleared.
 // x is always the tile's rows converted to fp32 and interleaved by k-pair
-// ([K/2][MR][2]) beforehand, so both x[m, k] and x[m, k+1] are one
-// broadcast load each. Each output is summed k = 0, 1, 2, ... in one FMA
-// chain, whatever the tile. One row takes the block's 32 columns in one
-// pass (NC = 4 ymm: 4 FMA chains, which a single row needs to keep memory
-// busy, FMA latency being 4 cycles; 1 row in 16 columns ran at half the
-// speed); 2-5 rows run it as two passes of 16 columns (2 x MR accumulators
-// + 4 weights + 2 broadcasts fit 16 ymm), the second re-reading the block
-// from L1/L2.
+// ([K/2][MR][2]) beforehand, so x[m, k] is one broadcast load. Each output
+// is summed k = 0, 1, 2, ... in one FMA chain, whatever the tile, so the two
+// ways a block is read below give the same bits:
+//
+// - one tile per block (up to kMaxRows rows: decode): the weights are
+//   widened in registers as they stream in. One row takes the block's 32
+//   columns in one pass (4 FMA chains, which a single row needs to keep
+//   memory busy, FMA latency being 4 cycles; in 16 columns it ran at half
+//   the speed); 2-5 rows two passes of 16 columns (2 x MR accumulators + 4
+//   weights + 2 broadcasts fit 16 ymm), 6 rows four passes of 8.
+// - several tiles per block: the block is widened once into a per-thread
+//   fp32 copy ([2][K][16]: each 16-column half contiguous, K x 128 bytes, in
+//   L2), which every tile then reads as a plain fp32 GEMM: 6 rows x 16
+//   columns, 12 accumulators + 2 weights + 1 broadcast, no widening per tile.
 struct MatmulTile {
   using XElem = float;
-  static constexpr int kMaxRows = 5;
+  static constexpr int kMaxRows = 6;
   static bool packs_x(int64_t) { return true; }
+  struct Block {
+    const bf16* w;
+    const float* wf = nullptr;  // the block widened, [2][K][16]; null: widen in registers
+    Block(const bf16* w_, int64_t K, int64_t tiles) : w(w_) {
+      if (tiles > 1) wf = widen(w_, K);
+    }
+  };
 
   template <int MR, bool XP, class Out>
-  static void tile(const XElem* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
+  static void tile(const XElem* x, const Block& blk, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                    int64_t pf_len) {
     static_assert(XP, "the avx2 tile reads fp32 x interleaved by k-pair");
-    constexpr int NC = MR == 1 ? 4 : 2;  // ymm of 8 columns per row per pass
+    if (blk.wf)
+      tile_f32<MR>(x, blk.wf, y, K, N, cols, pf, pf_len);
+    else
+      tile_bf16<MR>(x, blk.w, y, K, N, cols, pf, pf_len);
+  }
+
+ private:
+  static const float* widen(const bf16* wb, int64_t K) {
+    thread_local std::vector<float> buf;
+    buf.resize(2 * K * 16);
+    float* wf = buf.data();
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t kp = 0; kp < K / 2; ++kp, wb += 2 * kPackedCols)
+      for (int c = 0; c < 4; ++c) {  // 8 columns x 2 k
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 * c));
+        float* d = wf + (c / 2) * K * 16 + 2 * kp * 16 + (c % 2) * 8;
+        _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
+        _mm256_storeu_ps(d + 16, _mm256_castsi256_ps(_mm256_and_si256(r, hi_mask)));
+      }
+    return wf;
+  }
+
+  template <int MR, class Out>
+  static void tile_f32(const float* x, const float* wf, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
+                       int64_t pf_len) {
+    const int64_t passes = cols > 16 ? 2 : 1;
+    Prefetcher fetch(pf, pf_len, passes * K / 2);
+    for (int64_t h = 0; h < passes; ++h) {
+      __m256 acc[MR][2];
+      for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      const float* w = wf + h * K * 16;
+      const float* xk = x;
+      for (int64_t k = 0; k < K; k += 2, xk += 2 * MR) {
+        fetch.step();
+        for (int j = 0; j < 2; ++j, w += 16) {
+          const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+          for (int m = 0; m < MR; ++m) {
+            const __m256 xv = _mm256_broadcast_ss(xk + 2 * m + j);
+            acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
+          }
+        }
+      }
+      flush<MR, 2>(acc, y + 16 * h, N, cols - 16 * h);
+    }
+  }
+
+  template <int MR, class Out>
+  static void tile_bf16(const float* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
+                        int64_t pf_len) {
+    constexpr int NC = MR == 1 ? 4 : MR <= 5 ? 2 : 1;  // ymm of 8 columns per row per pass
     constexpr int64_t kPassCols = 8 * NC;
     const int64_t passes = (cols + kPassCols - 1) / kPassCols;
     Prefetcher fetch(pf, pf_len, passes * K / 2);
@@ -254,23 +323,27 @@ struct MatmulTile {
           for (int c = 0; c < NC; ++c) acc[m][c] = _mm256_fmadd_ps(o[c], x1, _mm256_fmadd_ps(e[c], x0, acc[m][c]));
         }
       }
-      const int64_t n = std::min<int64_t>(cols - kPassCols * h, kPassCols);
-      for (int m = 0; m < MR; ++m) store<NC>(y + m * N + kPassCols * h, acc[m], n);
+      flush<MR, NC>(acc, y + kPassCols * h, N, cols - kPassCols * h);
     }
   }
 
- private:
-  static void store8(bf16* y, __m256 v) { Vec::store_bf16(y, v); }
-  static void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
-  template <int NC, class Out>
-  static void store(Out* y, const __m256* v, int64_t n) {  // the first n of 8 NC columns
-    if (n == 8 * NC) {
-      for (int c = 0; c < NC; ++c) store8(y + 8 * c, v[c]);
-      return;
-    }
-    Out tmp[8 * NC];
-    for (int c = 0; c < NC; ++c) store8(tmp + 8 * c, v[c]);
-    std::memcpy(y, tmp, n * sizeof(Out));
+  // Rows [0, MR) of 8 NC accumulated columns into y (row stride N), the first n of
+  // them (n may exceed 8 NC). Through an fp32 buffer in loops GCC unrolls fully:
+  // an accumulator array whose elements were indexed by a loop it did not unroll
+  // got a stack copy that was written back on every k step (a third slower).
+  template <int MR, int NC, class Out>
+  static void flush(const __m256 (&acc)[MR][NC], Out* y, int64_t N, int64_t n) {
+    alignas(32) float res[MR][8 * NC];
+#pragma GCC unroll 32
+    for (int i = 0; i < MR * NC; ++i) _mm256_store_ps(res[i / NC] + 8 * (i % NC), acc[i / NC][i % NC]);
+    n = std::min<int64_t>(n, 8 * NC);
+    for (int m = 0; m < MR; ++m) put(y + m * N, res[m], n);
+  }
+  static void put(float* y, const float* v, int64_t n) { std::memcpy(y, v, n * sizeof(float)); }
+  static void put(bf16* y, const float* v, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) Vec::store_bf16(y + i, _mm256_load_ps(v + i));
+    for (; i < n; ++i) y[i] = bf16(v[i]);
   }
 };
 

@@ -40,7 +40,8 @@ using XElem = MatmulTile::XElem;  // the activations in a tile's x layout: bf16 
 // [pf, pf + pf_len) of the block that comes next are fetched into L2, spread
 // evenly over the k loop.
 template <class Out>
-using TileFn = void (*)(const XElem*, const bf16*, Out*, int64_t, int64_t, int64_t, const char*, int64_t);
+using TileFn = void (*)(const XElem*, const MatmulTile::Block&, Out*, int64_t, int64_t, int64_t, const char*,
+                        int64_t);
 
 template <class Out, bool XP, int... R>
 constexpr std::array<TileFn<Out>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
@@ -57,10 +58,11 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
   static constexpr auto table = tile_table<Out, XP>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
   const int64_t bytes = K * kCols * static_cast<int64_t>(sizeof(bf16));
+  const MatmulTile::Block block(wb, K, tiles);  // what the tiles read (AVX2, several tiles: the block widened once)
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = R / tiles + (t < R % tiles);
     const int64_t p0 = bytes * t / tiles, p1 = bytes * (t + 1) / tiles;
-    table[r](x + m * K, wb, y + m * N, K, N, cols, next ? reinterpret_cast<const char*>(next) + p0 : nullptr, p1 - p0);
+    table[r](x + m * K, block, y + m * N, K, N, cols, next ? reinterpret_cast<const char*>(next) + p0 : nullptr, p1 - p0);
     m += r;
   }
 }
