@@ -271,9 +271,10 @@ struct MatmulTile {
   }
 
   // MR rows against the widened block: up to 3 rows at a time x 32 columns (12
-  // accumulators + 4 weights + 1 broadcast): per k 4 weight loads and one
-  // broadcast per row for 4 FMAs per row (6 x 16 tiles, 2 broadcasts per 4
-  // FMAs, ran ~10% slower).
+  // accumulators + 4 weights + 1 broadcast): one broadcast per 4 FMAs. Single-
+  // thread CPU time, SmolLM2's MLP matmuls at 16 / 128 rows: 6 x 16 tiles (a
+  // broadcast per 2 FMAs) 65-70 / ~70 GFLOPS, 3 x 32 84 / 104, 2 x 32 65 / 74
+  // (each 2 rows re-read the block from L2, which then set the pace).
   template <int MR, class Out>
   static void tile_f32(const float* x, const float* wf, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                        int64_t pf_len) {
