@@ -20,6 +20,7 @@ reference to bf16 rounding, and each is batch invariant on its own
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -61,6 +62,7 @@ _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa name -> the loaded module, or None where it failed to build
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo's first `flags` line); empty where unknown."""
     try:
