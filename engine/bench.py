@@ -2,6 +2,7 @@
 
     python -m engine.bench                        # print the table
     python -m engine.bench --write                # also replace `## Engine` in BENCHMARKS.md
+    python -m engine.bench --isa avx512bf16,avx2  # each kernel ISA path, side by side, one run
     python -m engine.bench --profile runs/prof    # only: torch.profiler over decode steps
     kvrelay bench-engine ...                      # the same, from the CLI
 
@@ -11,7 +12,13 @@ Figures (greedy, EOS ignored, same random prompts for both):
   (new tokens - 1) / (end-to-end time - time to first token);
 - time to first token: one 128-token prompt, one new token (median of 3);
 - batch-16 output tokens/s: 16 x 128-token prompts, 128 new tokens each;
-  all output tokens / wall time.
+  all output tokens / wall time;
+- each throughput as a fraction of the memory wall: the tokens/s that
+  reading every weight once per step at the measured read bandwidth would
+  give (batch: times the batch, since one step's weight read serves all).
+
+Each kernel ISA path asked for (`--isa`, engine/kernels.py; bf16 on CPU) runs
+in the same process, one after another, against one transformers run.
 
 The engine runs with the prefix cache off, since transformers has none and
 the same prompts are run repeatedly. Each workload is warmed up once (same
@@ -42,11 +49,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--isa", type=_isa_list, default=["auto"], metavar="ISA[,ISA...]",
+                   help="CPU kernel ISA paths to run, comma-separated: auto (the best this CPU runs), "
+                        "avx512bf16, avx2, none (torch's ops); several run side by side")
     p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     p.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE, help=argparse.SUPPRESS)
     p.add_argument("--profile", metavar="DIR", type=Path, default=None,
                    help="instead of the comparison, profile a few engine decode steps: "
                         "write a Chrome trace to DIR and print the top ops")
+
+
+def _isa_list(text: str) -> list[str]:
+    from engine.config import KERNEL_ISAS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in KERNEL_ISAS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(KERNEL_ISAS)}")
+    return names
+
+
+def isa_label(llm) -> str:
+    """The kernel path the engine runs: a native ISA, or torch's ops."""
+    return getattr(llm.core.model.ops, "isa", "torch ops")
 
 
 @dataclass
@@ -144,10 +169,10 @@ def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
                      weight_bytes / 1e6, read / 1e9)
 
 
-def breakdown_table(b: Breakdown) -> str:
+def breakdown_table(b: Breakdown, label: str = "") -> str:
     rest = b.step_ms - b.layers_ms - b.head_ms
     return "\n".join([
-        "| part of one single-stream decode step | ms |",
+        f"| part of one single-stream decode step{label} | ms |",
         "|---|---:|",
         f"| decoder layers (`model.forward`) | {b.layers_ms:.2f} |",
         f"| LM head | {b.head_ms:.2f} |",
@@ -155,6 +180,7 @@ def breakdown_table(b: Breakdown) -> str:
         f"| whole step | {b.step_ms:.2f} ({1e3 / b.step_ms:.1f} tokens/s) |",
         f"| bound: {b.weight_mb:.0f} MB of weights read at the measured {b.read_gb_s:.1f} GB/s "
         f"| {b.weight_mb / b.read_gb_s:.2f} ({b.bound_tok_s:.1f} tokens/s) |",
+        f"| the step against the bound (the memory wall) | {100 * b.weight_mb / b.read_gb_s / b.step_ms:.0f}% |",
     ])
 
 
@@ -184,17 +210,33 @@ def bench_transformers(model, prompt: list[int], batch: list[list[int]], new: in
 
 # ---- report --------------------------------------------------------------------
 
-def table(kv: Figures, hf: Figures, args) -> str:
-    rows = [
+def table(kvs: dict[str, Figures], hf: Figures, args, walls: dict[str, float] | None = None) -> str:
+    """kvrelay's figures for each kernel path (label -> Figures) against transformers';
+    walls: label -> the single-stream memory-wall tokens/s (Breakdown.bound_tok_s)."""
+    metrics = [
         (f"single-stream decode, tokens/s ({args.prompt_len}-token prompt, {args.new_tokens} new)",
-         f"{kv.decode_tok_s:.1f}", f"{hf.decode_tok_s:.1f}", kv.decode_tok_s / hf.decode_tok_s),
+         lambda f: f"{f.decode_tok_s:.1f}", lambda k: k.decode_tok_s / hf.decode_tok_s),
         (f"time to first token, ms ({args.prompt_len}-token prompt)",
-         f"{kv.ttft_s * 1e3:.0f}", f"{hf.ttft_s * 1e3:.0f}", hf.ttft_s / kv.ttft_s),
+         lambda f: f"{f.ttft_s * 1e3:.0f}", lambda k: hf.ttft_s / k.ttft_s),
         (f"batch-{args.batch} output tokens/s ({args.prompt_len}-token prompts, {args.new_tokens} new each)",
-         f"{kv.batch_tok_s:.1f}", f"{hf.batch_tok_s:.1f}", kv.batch_tok_s / hf.batch_tok_s),
+         lambda f: f"{f.batch_tok_s:.1f}", lambda k: k.batch_tok_s / hf.batch_tok_s),
     ]
-    lines = ["| metric | kvrelay | transformers | ratio |", "|---|---:|---:|---:|"]
-    lines += [f"| {m} | {a} | {b} | {r:.2f}x |" for m, a, b, r in rows]
+    one = len(kvs) == 1
+    heads = ["kvrelay"] if one else [f"kvrelay {n}" for n in kvs]
+    ratios = ["ratio"] if one else [f"ratio {n}" for n in kvs]
+    lines = ["| metric | " + " | ".join(heads + ["transformers"] + ratios) + " |",
+             "|---|" + "---:|" * (2 * len(kvs) + 1)]
+    for m, fmt, ratio in metrics:
+        lines.append(f"| {m} | " + " | ".join([fmt(k) for k in kvs.values()] + [fmt(hf)]
+                                             + [f"{ratio(k):.2f}x" for k in kvs.values()]) + " |")
+    if walls:
+        walls_row = {"single": lambda n: kvs[n].decode_tok_s / walls[n],
+                     "batch": lambda n: kvs[n].batch_tok_s / (walls[n] * args.batch)}
+        for what, frac in walls_row.items():
+            label = ("single-stream decode" if what == "single" else f"batch-{args.batch} output") + \
+                " against the memory wall (weights read once per step at the measured bandwidth)"
+            lines.append(f"| {label} | " + " | ".join([f"{100 * frac(n):.0f}%" for n in kvs] + ["-"]
+                                                      + ["-"] * len(kvs)) + " |")
     return "\n".join(lines)
 
 
@@ -214,6 +256,12 @@ def machine() -> str:
             f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}{load}")
 
 
+def cpu_isa_text() -> str:
+    from engine.kernels import cpu_isas
+
+    return ", ".join(cpu_isas()) or "none of the native kernel ISAs"
+
+
 def provenance(command: str | None = None) -> str:
     """The lines every benchmark section ends its figures with: the command
     that produced them (when given), when, and on what machine."""
@@ -222,10 +270,11 @@ def provenance(command: str | None = None) -> str:
     return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
 
 
-def section(body: str, args, model_name: str, command: str) -> str:
+def section(body: str, args, model_name: str, command: str, isas: list[str]) -> str:
     return f"""{SECTION}
 
 `engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}, greedy, EOS ignored,
+kernel ISA path {" and ".join(f"`{n}`" for n in isas)} (engine/kernels.py; the CPU runs {cpu_isa_text()}),
 same random prompts, one process, each workload warmed up once (`engine/bench.py`).
 Ratio: how many times better kvrelay is (throughput: kvrelay / transformers; time to first
 token: transformers / kvrelay).
@@ -302,20 +351,30 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     model_name = Path(model_dir).name if args.model else "SmolLM2-135M-Instruct"
-    llm = LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+
+    def make_llm(isa: str):
+        return LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=False, kernel_isa=isa,
+                   max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+
+    llm = make_llm(args.isa[0])
     prompts = make_prompts(args.batch + 1, args.prompt_len, llm.model_config.vocab_size)
     prompt, batch = prompts[0], prompts[1:]
 
     if args.profile is not None:
+        print(f"kernel ISA path: {isa_label(llm)}")
         print(profile(llm, prompt, args.profile))
         return 0
 
-    print(f"kvrelay ({model_name}, {args.dtype}) ...", file=sys.stderr)
-    kv = bench_kvrelay(llm, prompt, batch, args.new_tokens)
-    parts = decode_breakdown(llm, prompt, args.new_tokens)
-    assert llm.core.pool.is_fully_free()
-    del llm
+    kvs: dict[str, Figures] = {}
+    parts: dict[str, Breakdown] = {}
+    for i, isa in enumerate(args.isa):
+        llm = llm if i == 0 else make_llm(isa)
+        label = isa_label(llm)
+        print(f"kvrelay ({model_name}, {args.dtype}, kernel ISA path: {label}) ...", file=sys.stderr)
+        kvs[label] = bench_kvrelay(llm, prompt, batch, args.new_tokens)
+        parts[label] = decode_breakdown(llm, prompt, args.new_tokens)
+        assert llm.core.pool.is_fully_free()
+        del llm
 
     from transformers import AutoModelForCausalLM
 
@@ -323,11 +382,14 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     ref = bench_transformers(hf, prompt, batch, args.new_tokens)
 
-    body = table(kv, ref, args) + "\n\n" + breakdown_table(parts)
+    one = len(parts) == 1
+    body = "\n\n".join([table(kvs, ref, args, {n: b.bound_tok_s for n, b in parts.items()})]
+                       + [breakdown_table(b, "" if one else f" ({n})") for n, b in parts.items()])
+    print(f"kernel ISA path: {', '.join(kvs)}")
     print(body)
     if args.write:
         command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
-        write_section(section(body, args, model_name, command.strip()), args.benchmarks_file)
+        write_section(section(body, args, model_name, command.strip(), list(kvs)), args.benchmarks_file)
         print(f"wrote the '{SECTION}' section of {args.benchmarks_file}", file=sys.stderr)
     return 0
 

@@ -127,6 +127,8 @@ class ModelConfig:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TP_BACKENDS = ("shm", "gloo")
+# engine.kernels.KERNEL_ISAS (a test holds them equal; config imports no torch)
+KERNEL_ISAS = ("auto", "avx512bf16", "avx2", "none")
 
 
 @dataclass
@@ -151,10 +153,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_backend: str = "shm"
     tp_timeout_s: float = 60.0
+    # CPU bf16: which native kernel build runs (engine/kernels.py): "auto", the best this
+    # CPU runs; "avx512bf16" or "avx2" (an error where the CPU lacks it); "none", torch's ops
+    kernel_isa: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernel_isa not in KERNEL_ISAS:
+            raise ConfigError(f"kernel_isa: must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

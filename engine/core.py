@@ -21,7 +21,8 @@ from engine.serving.types import LoadReport
 
 
 def pick_dtype(name: str, device: str) -> str:
-    """`auto`: bf16 where the hardware runs it fast (CUDA, CPUs with AVX512-BF16/AMX), else fp32."""
+    """`auto`: bf16 where the hardware runs it fast (CUDA; CPUs where a native kernel
+    ISA path builds, AVX2 included, or with AMX: `engine.kernels.cpu_runs_bf16_fast`), else fp32."""
     if name != "auto":
         return name
     if device.startswith("cuda"):
@@ -58,7 +59,8 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context "
                 f"({model_config.max_position_embeddings})")
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
-                                shard=shard, comm=tp_group.comm if tp_group is not None else None)
+                                kernel_isa=config.kernel_isa, shard=shard,
+                                comm=tp_group.comm if tp_group is not None else None)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
                                              num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)

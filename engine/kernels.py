@@ -1,20 +1,30 @@
 """The small ops the model is made of, in two implementations.
 
 `TorchOps` is plain torch and is the reference (fp32 runs, GPUs, any CPU).
-`NativeOps` is for bf16 on CPUs with AVX512-BF16: C++ kernels compiled on
-first use and cached (csrc/): a matmul on pre-packed weights (`PackedWeight`)
-for every batch size, decode and prefill, residual add +
-RMSNorm, SiLU-and-multiply, rotary embedding in place, decode attention read
-straight from the paged cache, and `FusedDecoder`, which runs the whole layer
-stack for a batch of decode tokens in one call. Decode on a CPU is bound by
-per-op overhead as much as by memory, so fusing these is what makes it fast.
-Both agree to bf16 rounding (tests/engine/test_kernels.py).
+`NativeOps` is for bf16 on CPUs: C++ kernels compiled on first use and cached
+(csrc/): a matmul on pre-packed weights (`PackedWeight`) for every batch
+size, decode and prefill, residual add + RMSNorm, SiLU-and-multiply, rotary
+embedding in place, decode attention read straight from the paged cache, and
+`FusedDecoder`, which runs the whole layer stack for a batch of decode tokens
+in one call. Decode on a CPU is bound by per-op overhead as much as by
+memory, so fusing these is what makes it fast.
+
+The same sources are built once per instruction set (`ISAS`, csrc/isa.h),
+each as its own extension module compiled for its own target: AVX512-BF16
+(vdpbf16ps) and AVX2 + FMA (bf16 weights widened to fp32 in registers, fp32
+math). The best one the CPU runs is used unless a caller names one
+(`make_ops(..., isa=...)`, `LLM(kernel_isa=...)`). Both agree with the torch
+reference to bf16 rounding, and each is batch invariant on its own
+(tests/engine/test_kernels.py); they differ from each other in the last bits
+(vdpbf16ps adds a k-pair's two products before accumulating).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,30 +36,63 @@ log = logging.getLogger(__name__)
 MAX_FUSED_ROWS = 256
 _CSRC = Path(__file__).parent / "csrc"
 _SRCS = [_CSRC / n for n in ("matmul_bf16.cpp", "cpu_ops.cpp", "decode_step.cpp")]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of the kernels: the /proc/cpuinfo flags a CPU needs to run it
+    and the compiler flags it is built with (csrc/isa.h picks the code by them)."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+# Best first: make_ops picks the first the CPU runs.
+ISAS = (
+    Isa("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
+    Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+)
+ISA_NAMES = tuple(i.name for i in ISAS)
+# What a caller may ask for: the best the CPU runs, one by name, or torch's ops
+# (the same as engine.config.KERNEL_ISAS, which EngineConfig validates against).
+KERNEL_ISAS = ("auto",) + ISA_NAMES + ("none",)
 _lock = threading.Lock()
-_ext = None
-_tried = False
+_exts: dict[str, object] = {}  # isa name -> the loaded module, or None where it failed to build
 
 
-def cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's first `flags` line); empty where unknown."""
     try:
-        return Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return ""
+        pass
+    return frozenset()
 
 
-def cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in cpu_flags()
+def cpu_isas() -> list[str]:
+    """The kernel ISAs this CPU can run, best first."""
+    flags = cpu_flags()
+    return [i.name for i in ISAS if flags.issuperset(i.cpu_flags)]
 
 
 def cpu_runs_bf16_fast() -> bool:
-    """AVX512-BF16 or AMX: where bf16 beats fp32 on this CPU (measured)."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Where bf16 beats fp32 on this CPU (`dtype: auto`, engine.core.pick_dtype):
+    wherever a native kernel build runs, AVX2 + FMA included, or AMX, where
+    torch's own bf16 matmuls are fast. On AVX2 the weights stay bf16 and the
+    math is fp32, so decode reads half the bytes of fp32 and runs fused:
+    measured side by side (BENCHMARKS.md "Engine on AVX2"), SmolLM2 decode
+    steps of 1 and 16 tokens took 9.6 and 65.5 ms of CPU on the avx2 path
+    against 59.5 and 179.3 ms in fp32 through torch's ops."""
+    return load_native_ops() is not None or "amx_bf16" in cpu_flags()
 
 
-def _build_dir() -> Path:
-    """One folder per (torch version, kernel sources): checkouts with other
+def _build_dir(isa: str) -> Path:
+    """One folder per (torch version, kernel sources, ISA): checkouts with other
     sources (another version, a work tree) never rebuild over each other."""
     import hashlib
 
@@ -59,33 +102,36 @@ def _build_dir() -> Path:
     for p in sorted(_CSRC.iterdir()):
         if p.suffix in (".cpp", ".h"):
             h.update(p.name.encode() + b"\0" + p.read_bytes())
-    d = default_cache_dir() / "kernels" / f"torch-{torch.__version__.replace('+', '_')}-{h.hexdigest()[:12]}"
+    d = (default_cache_dir() / "kernels" / f"torch-{torch.__version__.replace('+', '_')}-{h.hexdigest()[:12]}"
+         / isa)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
-def load_native_ops():
-    """The compiled extension, or None where it is unavailable (never raises)."""
-    global _ext, _tried
-    if _tried:
-        return _ext
+def load_native_ops(isa: str | None = None):
+    """The compiled extension for `isa` (None: the best this CPU runs), or None
+    where it is unavailable: the CPU lacks the ISA, or it did not build (never raises)."""
+    names = cpu_isas()
+    if isa is None:
+        return next((ext for ext in map(load_native_ops, names) if ext is not None), None)
+    if isa not in names:
+        return None
     with _lock:
-        if _tried:
-            return _ext
-        _tried = True
-        if not cpu_has_avx512_bf16():
-            return None
-        try:
-            from torch.utils.cpp_extension import load
+        if isa not in _exts:
+            _exts[isa] = _build(_isa(isa))
+    return _exts[isa]
 
-            _ext = load("kvrelay_cpu_ops", [str(p) for p in _SRCS], build_directory=str(_build_dir()),
-                        extra_include_paths=[str(_CSRC)],
-                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                        verbose=False)
-        except Exception as e:  # no compiler, no ninja, ...: the torch path still works
-            log.warning("bf16 decode kernel unavailable, using torch's matmul: %s", e)
-            _ext = None
-    return _ext
+
+def _build(isa: Isa):
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(f"kvrelay_cpu_ops_{isa.name}", [str(p) for p in _SRCS], build_directory=str(_build_dir(isa.name)),
+                    extra_include_paths=[str(_CSRC)],
+                    extra_cflags=["-O3", "-fopenmp", "-fvisibility=hidden", *isa.cflags], verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...: the torch path still works
+        log.warning("%s CPU kernels unavailable, using torch's ops: %s", isa.name, e)
+        return None
 
 
 class PackedWeight:
@@ -173,10 +219,11 @@ class TorchOps:
 
 
 class NativeOps(TorchOps):
-    """bf16 on CPU through the compiled kernels."""
+    """bf16 on CPU through the compiled kernels of one ISA (`isa`)."""
 
     def __init__(self, ext):
         self.ext = ext
+        self.isa: str = ext.isa
 
     packs_weights = True  # the model holds its matmul weights as PackedWeight
 
@@ -240,14 +287,35 @@ def _or(t, default):
     return default if t is None else t
 
 
-def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True):
-    """NativeOps for bf16 on a CPU that can run them, else TorchOps."""
-    ext = load_native_ops() if enable and dtype == torch.bfloat16 and device.type == "cpu" else None
-    return NativeOps(ext) if ext is not None else TorchOps()
+def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True, isa: str = "auto"):
+    """NativeOps for bf16 on a CPU that can run them, else TorchOps.
+
+    isa: one of KERNEL_ISAS. "auto": the best this CPU runs; a name: that build,
+    or a ValueError where this CPU cannot run it or it did not build (so a test
+    or a benchmark that asks for a path never measures another); "none": torch's ops.
+    """
+    if isa not in KERNEL_ISAS:
+        raise ValueError(f"kernel_isa: must be one of {KERNEL_ISAS}, got {isa!r}")
+    if not enable or isa == "none" or dtype != torch.bfloat16 or device.type != "cpu":
+        return TorchOps()
+    if isa == "auto":
+        ext = load_native_ops()
+        return NativeOps(ext) if ext is not None else TorchOps()
+    ext = load_native_ops(isa)
+    if ext is None:
+        why = "did not build (see the log)" if isa in cpu_isas() else f"needs CPU flags {_isa(isa).cpu_flags}"
+        raise ValueError(f"kernel_isa: {isa!r} is not available on this machine: it {why}")
+    return NativeOps(ext)
+
+
+def _isa(name: str) -> Isa:
+    return next(i for i in ISAS if i.name == name)
 
 
 if __name__ == "__main__":  # `python -m engine.kernels`: build ahead of time (make install does)
     logging.basicConfig(level=logging.INFO)
-    ok = load_native_ops() is not None
-    print("bf16 CPU kernels:", "built" if ok else "not available on this machine")
+    runs = cpu_isas()
+    built = [name for name in runs if load_native_ops(name) is not None]
+    print("CPU kernel ISA paths built:", ", ".join(built) or "none",
+          f"(this CPU runs: {', '.join(runs) or 'none of ' + ', '.join(ISA_NAMES)})")
     os._exit(0)

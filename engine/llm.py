@@ -42,6 +42,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_backend: str = "shm",
         tp_timeout_s: float = 60.0,
+        kernel_isa: str = "auto",
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -52,7 +53,8 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s)
+            tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s,
+            kernel_isa=kernel_isa)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         try:

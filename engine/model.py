@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention import BatchMetadata, paged_attention
 from engine.config import ConfigError, ModelConfig
-from engine.kernels import MAX_FUSED_ROWS
+from engine.kernels import MAX_FUSED_ROWS, PackedWeight, make_ops
 from engine.parallel.comm import SINGLE, Collectives
 from engine.parallel.sharding import ShardLayout
 
@@ -77,7 +77,8 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", max_positions: int | None = None,
-                 use_kernels: bool = True, shard: ShardLayout | None = None, comm: Collectives | None = None):
+                 use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
+                 comm: Collectives | None = None):
         self.cfg = cfg
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
@@ -125,24 +126,32 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
-        from engine.kernels import make_ops
+        self.select_kernels(kernel_isa if use_kernels else "none")
+        if self.device.type == "cpu" and not isinstance(self.lm_head, PackedWeight):
+            self._to_huge_pages()  # (packed weights moved there when they were packed)
 
-        self.ops = make_ops(dtype, self.device, enable=use_kernels)
-        if self.ops.packs_weights:
+    def select_kernels(self, kernel_isa: str) -> None:
+        """Run on the ops of `kernel_isa` (engine.kernels.make_ops; a ValueError where
+        this machine cannot run it). Every native ISA reads the same packed weights,
+        so switching between them repacks nothing."""
+        ops = make_ops(self.dtype, self.device, isa=kernel_isa)
+        packed = isinstance(self.lm_head, PackedWeight)
+        if packed and not ops.packs_weights:
+            raise ValueError(f"kernel_isa: {kernel_isa!r} cannot run a model whose weights are packed")
+        self.ops = ops
+        if ops.packs_weights and not packed:
             self._pack_matmul_weights()
-        if self.device.type == "cpu":
-            self._to_huge_pages()
+            if self.device.type == "cpu" and isinstance(self.lm_head, PackedWeight):
+                self._to_huge_pages()
         # None: every batch takes the per-op path. FusedDecoder runs the whole stack in one native call,
         # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards
-        self.fused = None if shard.is_sharded else self.ops.fused_decoder(self)
+        self.fused = None if self.shard.is_sharded else ops.fused_decoder(self)
 
     def _pack_matmul_weights(self) -> None:
         """The matmul weights into the native kernel's layout (engine.kernels.PackedWeight),
         replacing the [N, K] tensors: every matmul, prefill included, runs on the packed
         copy, so the weights are held once. Tied embeddings are looked up in the packed
         LM head (`embed_tokens`)."""
-        from engine.kernels import PackedWeight
-
         if any(w.shape[1] % 2 for w in (self.lm_head, self.layers[0].o_w, self.layers[0].down_w)):
             return  # the kernel pairs k; an odd size keeps torch's matmul
         for L in self.layers:
@@ -167,7 +176,6 @@ class LlamaModel:
     def _to_huge_pages(self) -> None:
         """Every weight into one huge-page arena (engine/hugepages.py): decode streams them all each step."""
         from engine.hugepages import pack
-        from engine.kernels import PackedWeight
 
         slots = [(self, "embed"), (self, "lm_head"), (self, "norm")]
         slots += [(L, name) for L in self.layers for name in Layer.__slots__]

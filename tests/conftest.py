@@ -39,3 +39,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- CPU kernel ISA paths ------------------------------------------------------
+# Tests of the native kernels take `kernel_isa`: they run once per ISA build
+# (engine.kernels.ISAS) and skip only where this CPU lacks that ISA. The AVX2
+# build runs on AVX-512 machines too, so every CI machine exercises it.
+_exercised_isas: set[str] = set()
+
+
+def _isa_names():
+    from engine.kernels import ISA_NAMES
+
+    return ISA_NAMES
+
+
+def require_isa(isa: str) -> str:
+    """Skip the calling test where this CPU lacks `isa`; else count it as exercised."""
+    from engine.kernels import cpu_isas
+
+    if isa not in cpu_isas():
+        pytest.skip(f"CPU lacks {isa}")
+    _exercised_isas.add(isa)
+    return isa
+
+
+@pytest.fixture(scope="session", params=_isa_names())
+def kernel_isa(request) -> str:
+    """A native kernel ISA path (engine.kernels.ISA_NAMES) this CPU runs."""
+    return require_isa(request.param)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which kernel families this run exercised: `make test` names them."""
+    from engine.kernels import cpu_isas
+
+    ran = [n for n in _isa_names() if n in _exercised_isas]
+    terminalreporter.write_line(f"kernel ISA paths exercised: {', '.join(ran) or 'none'} "
+                                f"(this CPU runs: {', '.join(cpu_isas()) or 'none'})")

@@ -1,4 +1,5 @@
-// Fused CPU kernels for the bf16 decode path (kvrelay/engine/kernels.py).
+// Fused CPU kernels for the bf16 decode path (kvrelay/engine/kernels.py),
+// written once against isa.h's Vec (zmm on AVX512-BF16, ymm on AVX2).
 //
 // Decode runs one token per sequence through 30-odd layers, so its step time
 // is dominated by per-op overhead, not arithmetic. These kernels replace the
@@ -8,7 +9,6 @@
 // results are rounded to bf16 at the points where the unfused torch model
 // rounds, so the two agree to bf16 rounding.
 #include <torch/extension.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <vector>
@@ -18,37 +18,26 @@
 namespace kvrelay {
 namespace {
 
+using V = Vec::T;
+constexpr int64_t kL = Vec::kLanes;
+
 inline float f(bf16 v) { return static_cast<float>(v); }
 inline float rb(float v) { return f(bf16(v)); }  // round to bf16 precision
 
-// 16 bf16 <-> 16 fp32 (bf16 is the top half of an fp32)
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));  // nearest even
-}
-inline __m512 round16(__m512 v) {  // to bf16 precision and back
-  __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 // exp for fp32 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2; ~1 ulp.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+inline V vexp(V x) {
+  x = Vec::max(Vec::min(x, Vec::set1(Vec::kExpMax)), Vec::set1(-Vec::kExpMax));
+  const V n = Vec::round(Vec::mul(x, Vec::set1(1.44269504088896341f)));
+  V r = Vec::fnmadd(n, Vec::set1(0.693359375f), x);
+  r = Vec::fnmadd(n, Vec::set1(-2.12194440e-4f), r);
+  V p = Vec::set1(1.9875691500e-4f);
+  p = Vec::fmadd(p, r, Vec::set1(1.3981999507e-3f));
+  p = Vec::fmadd(p, r, Vec::set1(8.3334519073e-3f));
+  p = Vec::fmadd(p, r, Vec::set1(4.1665795894e-2f));
+  p = Vec::fmadd(p, r, Vec::set1(1.6666665459e-1f));
+  p = Vec::fmadd(p, r, Vec::set1(5.0000001201e-1f));
+  p = Vec::fmadd(p, Vec::mul(r, r), Vec::add(r, Vec::set1(1.f)));
+  return Vec::ldexp(p, n);
 }
 
 // Per-thread scratch that grows and is never freed (no allocation per call).
@@ -69,27 +58,27 @@ void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t 
       const bf16* dr = delta ? delta + t * H : nullptr;
       bf16* orow = out + t * H;
       // round the sum to bf16 as the unfused model does (x is stored in bf16)
-      __m512 ssv = _mm512_setzero_ps();
+      V ssv = Vec::zero();
       int64_t i = 0;
-      for (; i + 16 <= H; i += 16) {
-        __m512 v = load16(xr + i);
-        if (dr) v = round16(_mm512_add_ps(v, load16(dr + i)));
-        _mm512_storeu_ps(row.data() + i, v);
-        ssv = _mm512_fmadd_ps(v, v, ssv);
+      for (; i + kL <= H; i += kL) {
+        V v = Vec::load_bf16(xr + i);
+        if (dr) v = Vec::round_bf16(Vec::add(v, Vec::load_bf16(dr + i)));
+        Vec::store(row.data() + i, v);
+        ssv = Vec::fmadd(v, v, ssv);
       }
-      float ss = _mm512_reduce_add_ps(ssv);
+      float ss = Vec::reduce_add(ssv);
       for (; i < H; ++i) {
         const float v = dr ? rb(f(xr[i]) + f(dr[i])) : f(xr[i]);
         row[i] = v;
         ss += v * v;
       }
       const float r = 1.f / std::sqrt(ss / H + eps);
-      const __m512 rv = _mm512_set1_ps(r);
+      const V rv = Vec::set1(r);
       i = 0;
-      for (; i + 16 <= H; i += 16) {
-        const __m512 v = _mm512_loadu_ps(row.data() + i);
-        if (dr) store16(xr + i, v);
-        store16(orow + i, _mm512_mul_ps(round16(_mm512_mul_ps(v, rv)), load16(w + i)));
+      for (; i + kL <= H; i += kL) {
+        const V v = Vec::load(row.data() + i);
+        if (dr) Vec::store_bf16(xr + i, v);
+        Vec::store_bf16(orow + i, Vec::mul(Vec::round_bf16(Vec::mul(v, rv)), Vec::load_bf16(w + i)));
       }
       for (; i < H; ++i) {
         if (dr) xr[i] = bf16(row[i]);
@@ -121,10 +110,10 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads)
       const bf16* u = g + I;
       bf16* o = out + t * I;
       int64_t i = i0;
-      for (; i + 16 <= i1; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store16(o + i, _mm512_mul_ps(round16(s), load16(u + i)));
+      for (; i + kL <= i1; i += kL) {
+        const V gv = Vec::load_bf16(g + i);
+        const V s = Vec::div(gv, Vec::add(Vec::set1(1.f), vexp(Vec::sub(Vec::zero(), gv))));
+        Vec::store_bf16(o + i, Vec::mul(Vec::round_bf16(s), Vec::load_bf16(u + i)));
       }
       for (; i < i1; ++i) {
         const float gv = f(g[i]);
@@ -143,15 +132,15 @@ void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, con
       bf16* v = x + t * s0 + h * s1;
       const bf16* c = cos + positions[t] * D;
       const bf16* s = sin + positions[t] * D;
-      if (half % 16 == 0) {
-        for (int64_t i = 0; i < half; i += 16) {
-          const __m512 lo = load16(v + i), hi = load16(v + half + i);
-          const __m512 olo = _mm512_add_ps(round16(_mm512_mul_ps(lo, load16(c + i))),
-                                           round16(_mm512_mul_ps(hi, load16(s + i))));
-          const __m512 ohi = _mm512_add_ps(round16(_mm512_mul_ps(hi, load16(c + half + i))),
-                                           round16(_mm512_mul_ps(lo, load16(s + half + i))));
-          store16(v + i, olo);
-          store16(v + half + i, ohi);
+      if (half % kL == 0) {
+        for (int64_t i = 0; i < half; i += kL) {
+          const V lo = Vec::load_bf16(v + i), hi = Vec::load_bf16(v + half + i);
+          const V olo = Vec::add(Vec::round_bf16(Vec::mul(lo, Vec::load_bf16(c + i))),
+                                 Vec::round_bf16(Vec::mul(hi, Vec::load_bf16(s + i))));
+          const V ohi = Vec::add(Vec::round_bf16(Vec::mul(hi, Vec::load_bf16(c + half + i))),
+                                 Vec::round_bf16(Vec::mul(lo, Vec::load_bf16(s + half + i))));
+          Vec::store_bf16(v + i, olo);
+          Vec::store_bf16(v + half + i, ohi);
         }
         continue;
       }
@@ -166,28 +155,15 @@ void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, con
   });
 }
 
-// Lane i of the result is the sum of the 16 lanes of v[i] (a transposing
-// reduction tree: 45 shuffles/adds instead of 16 horizontal reductions).
-inline __m512 reduce16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // each 128-bit lane of u[i] now holds partial sums for v[4i..4i+3]; add the four lanes
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
+namespace {
 
 // Keys and values are read through the block table, a few cache lines per
 // token at a stride, so the hardware prefetcher loses them at every block
 // boundary; fetch the head kAhead tokens ahead.
 constexpr int64_t kAhead = 16;
-inline void prefetch_head(const bf16* p, int nv) {
-  for (int i = 0; i < nv; i += 2) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
+template <int NV>
+inline void prefetch_head(const bf16* p) {
+  for (int64_t i = 0; i < NV * kL; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
 // acc[g][:] = sum over t of scores[g][t] * value(t), for GN query heads at once:
@@ -196,53 +172,53 @@ inline void prefetch_head(const bf16* p, int nv) {
 template <int NV, int GN, class Key>
 inline void weigh_values(const float* scores, int64_t Lp, const Key& key, int64_t kv_stride, int64_t L, float* acc,
                          int64_t D, bool fetch) {
-  __m512 o[GN][NV];
+  V o[GN][NV];
   for (int g = 0; g < GN; ++g)
-    for (int d = 0; d < NV; ++d) o[g][d] = _mm512_setzero_ps();
+    for (int d = 0; d < NV; ++d) o[g][d] = Vec::zero();
   for (int64_t t = 0; t < L; ++t) {
     const bf16* v = key(t) + kv_stride;
-    if (fetch && t + kAhead < L) prefetch_head(key(t + kAhead) + kv_stride, NV);
-    __m512 vv[NV];
-    for (int d = 0; d < NV; ++d) vv[d] = load16(v + 16 * d);
+    if (fetch && t + kAhead < L) prefetch_head<NV>(key(t + kAhead) + kv_stride);
+    V vv[NV];
+    for (int d = 0; d < NV; ++d) vv[d] = Vec::load_bf16(v + kL * d);
     for (int g = 0; g < GN; ++g) {
-      const __m512 pv = _mm512_set1_ps(scores[g * Lp + t]);
-      for (int d = 0; d < NV; ++d) o[g][d] = _mm512_fmadd_ps(pv, vv[d], o[g][d]);
+      const V pv = Vec::set1(scores[g * Lp + t]);
+      for (int d = 0; d < NV; ++d) o[g][d] = Vec::fmadd(pv, vv[d], o[g][d]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int d = 0; d < NV; ++d) _mm512_storeu_ps(acc + g * D + 16 * d, o[g][d]);
+    for (int d = 0; d < NV; ++d) Vec::store(acc + g * D + kL * d, o[g][d]);
 }
 
 // One (sequence, KV head) pair: G query heads against the sequence's L keys
 // and values, read in place through its block table. NV: fp32 vectors per
-// head (head_dim / 16), a compile-time constant so the head stays in
+// head (head_dim / kL), a compile-time constant so the head stays in
 // registers; 0 takes the scalar path (any head size).
 template <int NV>
 void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t BS, int64_t blk_stride,
                 int64_t kv_stride, int64_t tok_stride, int64_t L, int64_t G, int64_t D, float* scores, float* acc,
-                __m512* part) {
-  const int64_t Lp = (L + 15) / 16 * 16;  // score row stride: whole vectors
+                V* part) {
+  const int64_t Lp = (L + kL - 1) / kL * kL;  // score row stride: whole vectors
   auto key = [&](int64_t t) { return kv + table[t / BS] * blk_stride + (t % BS) * tok_stride; };
   if constexpr (NV > 0) {
-    // scores, 16 keys at a time: one partial vector per (head, key), then one transposing reduction
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, L - t0);
-      for (int64_t i = 0; i < 16; ++i) {
+    // scores, kL keys at a time: one partial vector per (head, key), then one transposing reduction
+    for (int64_t t0 = 0; t0 < L; t0 += kL) {
+      const int64_t n = std::min<int64_t>(kL, L - t0);
+      for (int64_t i = 0; i < kL; ++i) {
         if (i >= n) {
-          for (int64_t g = 0; g < G; ++g) part[g * 16 + i] = _mm512_setzero_ps();
+          for (int64_t g = 0; g < G; ++g) part[g * kL + i] = Vec::zero();
           continue;
         }
         const bf16* k = key(t0 + i);
-        if (t0 + i + kAhead < L) prefetch_head(key(t0 + i + kAhead), NV);
-        __m512 kvec[NV];
-        for (int d = 0; d < NV; ++d) kvec[d] = load16(k + 16 * d);
+        if (t0 + i + kAhead < L) prefetch_head<NV>(key(t0 + i + kAhead));
+        V kvec[NV];
+        for (int d = 0; d < NV; ++d) kvec[d] = Vec::load_bf16(k + kL * d);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kvec[0]);
-          for (int d = 1; d < NV; ++d) p = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * d), kvec[d], p);
-          part[g * 16 + i] = p;
+          V p = Vec::mul(Vec::load(qf + g * D), kvec[0]);
+          for (int d = 1; d < NV; ++d) p = Vec::fmadd(Vec::load(qf + g * D + kL * d), kvec[d], p);
+          part[g * kL + i] = p;
         }
       }
-      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * Lp + t0, reduce16(part + g * 16));
+      for (int64_t g = 0; g < G; ++g) Vec::store(scores + g * Lp + t0, Vec::sum_lanes(part + g * kL));
     }
   } else {
     for (int64_t t = 0; t < L; ++t) {
@@ -256,20 +232,20 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
   }
   for (int64_t g = 0; g < G; ++g) {  // softmax
     float* sc = scores + g * Lp;
-    __m512 mxv16 = _mm512_set1_ps(-INFINITY);
+    V mxv = Vec::set1(-INFINITY);
     int64_t t = 0;
-    for (; t + 16 <= L; t += 16) mxv16 = _mm512_max_ps(mxv16, _mm512_loadu_ps(sc + t));
-    float mx = _mm512_reduce_max_ps(mxv16);
+    for (; t + kL <= L; t += kL) mxv = Vec::max(mxv, Vec::load(sc + t));
+    float mx = Vec::reduce_max(mxv);
     for (; t < L; ++t) mx = std::max(mx, sc[t]);
-    const __m512 mxv = _mm512_set1_ps(mx);
-    __m512 sumv = _mm512_setzero_ps();
+    const V mxb = Vec::set1(mx);
+    V sumv = Vec::zero();
     t = 0;
-    for (; t + 16 <= L; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mxv));
-      _mm512_storeu_ps(sc + t, e);
-      sumv = _mm512_add_ps(sumv, e);
+    for (; t + kL <= L; t += kL) {
+      const V e = vexp(Vec::sub(Vec::load(sc + t), mxb));
+      Vec::store(sc + t, e);
+      sumv = Vec::add(sumv, e);
     }
-    float sum = _mm512_reduce_add_ps(sumv);
+    float sum = Vec::reduce_add(sumv);
     for (; t < L; ++t) {
       sc[t] = std::exp(sc[t] - mx);
       sum += sc[t];
@@ -278,17 +254,18 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
     for (t = 0; t < L; ++t) sc[t] *= inv;
   }
   if constexpr (NV > 0) {
-    // the weighted sums of values in registers, up to 4 heads (16 vectors) per pass over the values
+    // the weighted sums of values in registers, up to 4 heads (kAccRegs vectors) per pass over the values
+    constexpr int kAcc = Vec::kAccRegs;
     for (int64_t g = 0; g < G;) {
-      const int64_t n = std::min<int64_t>(G - g, 16 / NV);
+      const int64_t n = std::min<int64_t>(G - g, std::max(1, kAcc / NV));
       const float* sc = scores + g * Lp;
       float* ac = acc + g * D;
       const bool fetch = g == 0;
       switch (n) {
         case 1: weigh_values<NV, 1>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
-        case 2: if constexpr (2 * NV <= 16) weigh_values<NV, 2>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
-        case 3: if constexpr (3 * NV <= 16) weigh_values<NV, 3>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
-        default: if constexpr (4 * NV <= 16) weigh_values<NV, 4>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        case 2: if constexpr (2 * NV <= kAcc) weigh_values<NV, 2>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        case 3: if constexpr (3 * NV <= kAcc) weigh_values<NV, 3>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
+        default: if constexpr (4 * NV <= kAcc) weigh_values<NV, 4>(sc, Lp, key, kv_stride, L, ac, D, fetch); break;
       }
       g += std::min<int64_t>(n, 4);
     }
@@ -305,25 +282,41 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
   }
 }
 
+using AttendFn = decltype(&attend_one<0>);
+
+// The kernel for head size D: D / kL vectors kept in registers, up to 16 of them.
+AttendFn attend_for(int64_t D) {
+  if (D % kL) return &attend_one<0>;
+  switch (D / kL) {
+    case 1: return &attend_one<1>;
+    case 2: return &attend_one<2>;
+    case 4: return &attend_one<4>;
+    case 8: return &attend_one<8>;
+    case 16: return &attend_one<16>;
+    default: return &attend_one<0>;
+  }
+}
+
+}  // namespace
+
 void decode_attention(const bf16* q, int64_t qs0, const bf16* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
                       int64_t maxnb, const int64_t* lens, bf16* out, int64_t os0, int64_t B, int64_t H, int64_t D,
                       float scale, int threads) {
   const int64_t G = H / Hkv;
   const int64_t tok_stride = Hkv * D, kv_stride = BS * Hkv * D, blk_stride = 2 * kv_stride;
-  auto* fn = D == 64 ? &attend_one<4> : D == 128 ? &attend_one<8> : D == 32 ? &attend_one<2>
-           : D == 256 ? &attend_one<16> : D == 16 ? &attend_one<1> : &attend_one<0>;
+  const AttendFn fn = attend_for(D);
   par_for(B * Hkv, 1, threads, [&](int64_t a, int64_t b) {
     std::vector<float>& qf = scratch(0);
     std::vector<float>& scores = scratch(1);
     std::vector<float>& acc = scratch(2);
     qf.resize(G * D);
     acc.resize(G * D);
-    std::vector<__m512> part(G * 16);
+    std::vector<V> part(G * kL);
     for (int64_t j = a; j < b; ++j) {
       const int64_t s = j / Hkv, hk = j % Hkv, L = lens[s];
       const bf16* qs = q + s * qs0 + hk * G * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = f(qs[i]) * scale;
-      scores.resize(G * ((L + 15) / 16 * 16));
+      scores.resize(G * ((L + kL - 1) / kL * kL));
       fn(qf.data(), tables + s * maxnb, kv + hk * D, BS, blk_stride, kv_stride, tok_stride, L, G, D, scores.data(),
          acc.data(), part.data());
       bf16* os = out + s * os0 + hk * G * D;

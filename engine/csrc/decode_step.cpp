@@ -141,6 +141,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   auto t = py::arg("threads") = -1;  // -1: torch's intra-op thread count
+  m.attr("isa") = KVRELAY_ISA_NAME;  // the instruction set this module is compiled for (isa.h)
   m.def("linear_packed", &linear_packed, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("f32_out") = false, t,
         release());
   m.def("packed_rows", &packed_rows, py::arg("w"), py::arg("ids"), py::arg("n"), py::arg("k"), t, release());

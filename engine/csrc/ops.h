@@ -1,15 +1,16 @@
 // Raw bf16 CPU kernels shared by the per-op wrappers (cpu_ops.cpp,
-// matmul_bf16.cpp) and the fused decode step (decode_step.cpp). Every kernel
-// takes `threads`: 1 runs it on the calling thread (no fork/join, no spinning
-// workers), more runs it on torch's intra-op pool.
+// matmul_bf16.cpp) and the fused decode step (decode_step.cpp), for the ISA
+// this module is compiled for (isa.h). Every kernel takes `threads`: 1 runs it
+// on the calling thread (no fork/join, no spinning workers), more runs it on
+// torch's intra-op pool.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <cstdint>
 
+#include "isa.h"
+
 namespace kvrelay {
-using bf16 = c10::BFloat16;
 
 template <class F>
 inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
@@ -21,9 +22,6 @@ inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
   at::parallel_for(0, n, grain, fn);
 }
 
-// Output columns per block of a packed matmul weight (matmul_bf16.cpp): W [N, K]
-// is stored as [ceil(N/32)][K/2][32][2] bf16, K even, padding columns zero.
-constexpr int64_t kPackedCols = 32;
 // y[M, N] = x[M, K] @ W^T, W packed; rows of x and y contiguous; any M.
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
 // Same, fp32 output (the LM head: logits stay fp32).

@@ -29,7 +29,8 @@ def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
             "--new-tokens", "4", "--batch", "2", "--write", "--benchmarks-file", str(md)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| ") for line in out.splitlines()) == 4 + 6
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 6 + 7
+    assert "kernel ISA path: torch ops" in out  # float32: torch's ops
     assert "| metric | kvrelay | transformers | ratio |" in out
     assert "| part of one single-stream decode step | ms |" in out
     step = re.search(r"\| whole step \| ([\d.]+) ", out)

@@ -1,21 +1,23 @@
 """The native bf16 CPU ops agree with the torch reference to bf16 rounding,
-and the bf16 engine that uses them still answers correctly."""
+and the bf16 engine that uses them still answers correctly: each test that
+takes `native` (or `kernel_isa`, tests/conftest.py) runs once per kernel ISA
+path (AVX512-BF16, AVX2), skipping only where the CPU lacks that ISA."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.attention import BatchMetadata, _decode_attention
-from engine.kernels import NativeOps, PackedWeight, TorchOps, cpu_has_avx512_bf16, load_native_ops
-
-pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16")
+from engine.kernels import NativeOps, PackedWeight, TorchOps, load_native_ops, make_ops
 
 
-@pytest.fixture(scope="module")
-def native():
-    ext = load_native_ops()
-    assert ext is not None, "the kernels should build on a CPU with AVX512-BF16"
+@pytest.fixture(scope="session")
+def native(kernel_isa):
+    ext = load_native_ops(kernel_isa)
+    assert ext is not None, f"the {kernel_isa} kernels should build on a CPU that runs {kernel_isa}"
+    assert ext.isa == kernel_isa
     return NativeOps(ext)
 
 
@@ -160,12 +162,13 @@ def test_paged_decode_attention(native):
     _close(native.decode_attention(q, kv, meta, d ** -0.5), _decode_attention(q, kv, meta, d ** -0.5))
 
 
-def test_bf16_default_model_still_answers(default_model_dir):
+def test_bf16_default_model_still_answers(default_model_dir, kernel_isa):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    llm = LLM(str(default_model_dir), dtype="bfloat16", num_kv_blocks=128)
-    assert isinstance(llm.core.model.ops, NativeOps)
+    llm = LLM(str(default_model_dir), dtype="bfloat16", num_kv_blocks=128, kernel_isa=kernel_isa)
+    assert isinstance(llm.core.model.ops, NativeOps) and llm.core.model.ops.isa == kernel_isa
+    assert llm.core.model.fused is not None
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=16, temperature=0))[0]
     assert "Paris" in out.text
@@ -173,7 +176,7 @@ def test_bf16_default_model_still_answers(default_model_dir):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied):
+def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied, kernel_isa):
     """bf16 on this CPU: every matmul weight is a PackedWeight (no [N, K] copy kept);
     tied embeddings are looked up in the packed LM head, untied ones stay plain."""
     from engine.model import LlamaModel
@@ -182,7 +185,7 @@ def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied):
 
     save_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
     cfg, weights = load_checkpoint(tmp_path, torch.bfloat16)
-    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128, kernel_isa=kernel_isa)
     for L in model.layers:
         assert all(isinstance(w, PackedWeight) for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w))
     assert torch.equal(model.layers[1].o_w.unpack(), weights["model.layers.1.self_attn.o_proj.weight"])
@@ -193,6 +196,49 @@ def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied):
     head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
     h = _rand(3, cfg.hidden_size, seed=10)
     _close(model.compute_logits(h), F.linear(h.float(), head.float()), rtol=1e-5, atol=1e-4)
+
+
+# ---- choosing the ISA path ------------------------------------------------------
+
+def test_every_isa_path_of_the_cpu_builds_and_auto_takes_the_best(kernel_isa):
+    assert load_native_ops(kernel_isa).isa == kernel_isa
+    best = kernels.cpu_isas()[0]
+    assert make_ops(torch.bfloat16, torch.device("cpu")).isa == best
+    assert make_ops(torch.bfloat16, torch.device("cpu"), isa=kernel_isa).isa == kernel_isa
+    assert isinstance(make_ops(torch.bfloat16, torch.device("cpu"), isa="none"), TorchOps)
+    assert isinstance(make_ops(torch.float32, torch.device("cpu"), isa=kernel_isa), TorchOps)  # bf16 only
+
+
+@pytest.mark.skipif("avx2" not in kernels.cpu_isas(), reason="CPU lacks avx2")
+def test_an_avx2_only_cpu_runs_the_avx2_path_and_refuses_avx512(monkeypatch):
+    """What a Zen 3 (AVX2 + FMA, no AVX-512) gets: auto is avx2, and asking for
+    avx512bf16 is an error naming it, never a silent fallback."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"}))
+    assert kernels.cpu_isas() == ["avx2"]
+    assert make_ops(torch.bfloat16, torch.device("cpu")).isa == "avx2"
+    with pytest.raises(ValueError, match="'avx512bf16' is not available.*avx512_bf16"):
+        make_ops(torch.bfloat16, torch.device("cpu"), isa="avx512bf16")
+    with pytest.raises(ValueError, match="kernel_isa: must be one of"):
+        make_ops(torch.bfloat16, torch.device("cpu"), isa="sse")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    assert isinstance(make_ops(torch.bfloat16, torch.device("cpu")), TorchOps)
+
+
+def test_kernel_isa_names_agree_with_the_engine_config():
+    from engine.config import KERNEL_ISAS, ConfigError, EngineConfig
+
+    assert KERNEL_ISAS == kernels.KERNEL_ISAS
+    with pytest.raises(ConfigError, match="kernel_isa: must be one of"):
+        EngineConfig(kernel_isa="avx9").validate()
+
+
+def test_the_isa_paths_give_the_same_answers(native):
+    """Each path against the best one on the same weights: the same matmul to
+    bf16 rounding (their sums differ in the last bits, not more)."""
+    best = NativeOps(load_native_ops())
+    w = PackedWeight.pack(_rand(960, 576, seed=11))
+    x = _rand(20, 576, seed=12)
+    _close(native.logits(x, w), best.logits(x, w), rtol=1e-5, atol=1e-4)
 
 
 # ---- the fused decode step ------------------------------------------------------
@@ -238,7 +284,7 @@ def _fused_and_per_op(model, kv_caches, ctx_lens):
 
 
 @pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128, 3, 64, 65, 200]])
-def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens):
+def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_lens, kernel_isa):
     """The fused step runs the very kernels of the per-op path in the same order:
     same hidden states, same KV writes."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -246,7 +292,7 @@ def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_le
     from engine.weights import load_checkpoint
 
     cfg, weights = load_checkpoint(default_model_dir, torch.bfloat16)
-    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=512)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=512, kernel_isa=kernel_isa)
     kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 160)
     got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, ctx_lens)
     assert torch.equal(got, ref)
@@ -254,9 +300,10 @@ def test_fused_decode_is_the_per_op_decode_bit_for_bit(default_model_dir, ctx_le
 
 
 @pytest.mark.parametrize("kind, rows", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("llama", 64)])
-def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows):
+def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows, kernel_isa):
     """16 decode tokens and 64, qkv bias (Qwen2), q/k norm (Qwen3), head sizes the
-    vector kernels take (Qwen3: 16) and skip (Llama: 8): agree to bf16 rounding."""
+    vector kernels take (Qwen3: 16; AVX2 also Llama's 8) and skip (Llama's 8 on
+    AVX-512): agree to bf16 rounding."""
     from engine.kv_cache import KVCacheSpec, allocate_kv_cache
     from engine.model import LlamaModel
     from engine.weights import load_checkpoint
@@ -264,7 +311,7 @@ def test_fused_decode_matches_the_per_op_decode_for_a_batch(tmp_path, kind, rows
 
     save_tiny_model(tmp_path, kind)
     cfg, weights = load_checkpoint(tmp_path, torch.bfloat16)
-    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128)
+    model = LlamaModel(cfg, weights, torch.bfloat16, max_positions=128, kernel_isa=kernel_isa)
     kv = allocate_kv_cache(KVCacheSpec.for_model(cfg, 16, "bfloat16"), 8 * rows + 1)
     lens = ([1, 7, 16, 17, 30, 31, 32, 33, 40, 50, 60, 64, 65, 70, 80, 99] * 4)[:rows]
     got, ref, kv_f, kv_p = _fused_and_per_op(model, kv, lens)
