@@ -40,27 +40,25 @@ from engine.serving.types import GenerateDelta, StageTimings
 
 # ---- commands (frontend -> replica) -------------------------------------------
 @dataclass(frozen=True)
-class Submit:
+class _Start:
+    """A request's first command to a replica."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
 
 
-@dataclass(frozen=True)
-class Prefill:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
+class Submit(_Start):
+    """Colocated replica: the whole request."""
 
 
-@dataclass(frozen=True)
-class Reserve:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
+class Prefill(_Start):
+    """Prefill replica: compute the prompt (and any resumed output), sample the next token."""
+
+
+class Reserve(_Start):
+    """Decode replica: blocks for the KV of every token so far, answered by a TicketReady."""
 
 
 @dataclass(frozen=True)
