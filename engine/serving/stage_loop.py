@@ -78,6 +78,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     from engine.tokenizer import Tokenizer, TokenizerError
     from engine.weights import load_checkpoint
 
+    normal_priority()  # a replacement loads its model while the other replicas serve: not from niceness 15
     if num_threads:
         torch.set_num_threads(num_threads)
     model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
