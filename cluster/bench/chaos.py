@@ -201,18 +201,18 @@ def main(argv=None) -> int:
             time.sleep(interval / 2)
             if next_i[0] >= args.requests:
                 break
-            m0 = _metric(cluster, "kvrelay_request_migrations_total")
+            m0 = metric(cluster, "kvrelay_request_migrations_total")
             at = time.monotonic()
             inject(cluster, replica)
             back = _back_after(cluster, replica, at)
             time.sleep(interval / 2)
-            faults.append((name, replica, at, back, _metric(cluster, "kvrelay_request_migrations_total") - m0))
+            faults.append((name, replica, at, back, metric(cluster, "kvrelay_request_migrations_total") - m0))
         for t in threads:
             t.join(900)
         hung = sum(t.is_alive() for t in threads)
         wall = time.monotonic() - started
         leaked = {rid: free for rid, free in cluster.wait_pools_free(timeout_s=60).items() if not free}
-        lost = _metric(cluster, "kvrelay_requests_lost_total")
+        lost = metric(cluster, "kvrelay_requests_lost_total")
     ray.shutdown()
     # the time per token under this load, unfaulted: requests that ended before the first fault
     first_fault = faults[0][2] if faults else float("inf")
@@ -246,7 +246,7 @@ def _back_after(cluster, replica_id: str, since: float, timeout_s: float = 120) 
     return float("inf")
 
 
-def _metric(cluster, name: str) -> float:
+def metric(cluster, name: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name))
 

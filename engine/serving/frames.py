@@ -6,7 +6,7 @@ Frontend -> replica (commands), each for one request:
     Prefill(rid, prompt, params)   prefill replica: compute the prompt
     Reserve(rid, prompt, params)   decode replica: blocks for its KV, answered by a TicketReady
     Attach(rid, ticket)            prefill replica: where to push the prompt's KV
-    Abort(rid) / Fail(rid, error)  end it and free what it holds
+    Abort(rid)                     end it and free what it holds
 
 Replica -> frontend (events):
 
@@ -72,13 +72,7 @@ class Abort:
     request_id: str
 
 
-@dataclass(frozen=True)
-class Fail:
-    request_id: str
-    error: str
-
-
-Command = Submit | Prefill | Reserve | Attach | Abort | Fail
+Command = Submit | Prefill | Reserve | Attach | Abort
 
 
 # ---- events (replica -> frontend) ---------------------------------------------

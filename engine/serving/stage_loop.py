@@ -33,7 +33,7 @@ from engine.output import OutputProcessor
 from engine.profiling import ProfileWindow, enable_nvtx
 from engine.sequence import SequenceStatus
 from engine.serving.channel import ChannelClient
-from engine.serving.frames import Abort, Deltas, Fail, Refused
+from engine.serving.frames import Abort, Deltas, Refused
 from engine.serving.types import FinishReason, GenerateDelta, LoadReport
 
 log = logging.getLogger(__name__)
@@ -188,8 +188,7 @@ class StageLoop:
     # ---- frame handlers (loop thread) ------------------------------------------
     def _handlers(self) -> dict[type, Handler]:
         """Command frame type -> its handler ``(channel, frame)``; stages add theirs."""
-        return {Abort: lambda ch, f: self._abort(f.request_id),
-                Fail: lambda ch, f: self._fail(f.request_id, f.error)}
+        return {Abort: lambda ch, f: self._abort(f.request_id)}
 
     def _route(self, ch, request_id: str) -> bool:
         """Send ``request_id``'s outputs by ``ch``; False (and the caller told) if it is already running."""
@@ -244,10 +243,6 @@ class StageLoop:
     def _abort(self, request_id: str) -> None:
         self._release(request_id)
         self.emit(GenerateDelta(request_id, finish_reason=FinishReason.ABORT))
-
-    def _fail(self, request_id: str, error: str) -> None:
-        self._release(request_id)
-        self.fail_request(request_id, error)
 
     def _is_fully_free(self) -> bool:
         return self.core.is_idle()

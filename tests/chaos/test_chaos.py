@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster.bench.chaos import (HEALTH, cut_channel, cut_transfers, http_stream, is_right, run_one,
+from cluster.bench.chaos import (HEALTH, cut_channel, cut_transfers, http_stream, is_right, metric, run_one,
                                  signal_replica)
 from tests.e2e.conftest import disagg_spec, running_cluster
 
@@ -95,12 +95,6 @@ def _pools_free(cluster):
     assert cluster.wait_pools_free(timeout_s=30) == {rid: True for rid in cluster.cluster.actors}
 
 
-def _metric(cluster, name: str) -> float:
-    from cluster.bench.chaos import _metric as metric
-
-    return metric(cluster, name)
-
-
 # the decode replicas' faults, while every request is streaming (3 tokens in)
 DECODE_FAULTS = {
     "sigkill": lambda c: signal_replica(c, "decode-0", signal.SIGKILL),
@@ -114,15 +108,15 @@ DECODE_FAULTED = {"sigkill": "decode-0", "sigstop-replaced": "decode-1", "sigsto
 
 @pytest.mark.parametrize("fault", list(DECODE_FAULTS))
 def test_a_decode_replica_fault_mid_stream_loses_no_request(cluster, reference, fault):
-    migrated = _metric(cluster, "kvrelay_request_migrations_total")
+    migrated = metric(cluster, "kvrelay_request_migrations_total")
     load = Load(cluster, PROMPTS)
     load.wait_streaming(cluster)
     t_fault = time.monotonic()
     DECODE_FAULTS[fault](cluster)
     load.join()
     _check(load, reference, t_fault, bound_s=5.0)
-    assert _metric(cluster, "kvrelay_request_migrations_total") > migrated  # its requests moved
-    assert _metric(cluster, "kvrelay_requests_lost_total") == 0
+    assert metric(cluster, "kvrelay_request_migrations_total") > migrated  # its requests moved
+    assert metric(cluster, "kvrelay_requests_lost_total") == 0
     _serving_again(cluster, DECODE_FAULTED[fault])
     _pools_free(cluster)
 
@@ -145,7 +139,7 @@ def test_a_prefill_replica_fault_mid_prompt_loses_no_request(cluster, reference,
     load.join()
     # each ends within 5 s of the fault plus its decode and its prompt, computed again
     _check(load, reference, t_fault, bound_s=15.0)
-    assert _metric(cluster, "kvrelay_requests_lost_total") == 0
+    assert metric(cluster, "kvrelay_requests_lost_total") == 0
     _serving_again(cluster, PREFILL_FAULTED[fault])
     _pools_free(cluster)
 
