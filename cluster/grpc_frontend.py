@@ -247,7 +247,9 @@ class GrpcFrontend:
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with grpc_port 0)."""
         c = self.config
-        server = grpc.aio.server()
+        # gRPC sets SO_REUSEPORT by default on Linux, so a second server on a taken port would silently
+        # share it: only the frontends of one deployment may (frontend.reuse_port).
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if c.reuse_port else 0)])
         server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)

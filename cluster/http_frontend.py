@@ -151,7 +151,7 @@ class HttpFrontend:
         if c.tls_cert_file:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
-        site = web.TCPSite(runner, c.host, c.http_port or 0, ssl_context=ssl_context)
+        site = web.TCPSite(runner, c.host, c.http_port or 0, ssl_context=ssl_context, reuse_port=c.reuse_port or None)
         try:
             await site.start()
         except BaseException:

@@ -51,6 +51,7 @@ class Cluster:
         self._is_joined = False  # a Ray cluster that may span hosts (set by start_actors)
         self._startup_profile: asyncio.Task | None = None
         self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
+        self.directory = None  # with several frontends: the ReplicaDirectory actor
 
     # ---- actors ------------------------------------------------------------
     def start_actors(self, ready_timeout_s: float = 300.0) -> None:
@@ -123,41 +124,83 @@ class Cluster:
                 pass
             ray.kill(actor)
         self.actors.clear()
+        if self.directory is not None:
+            ray.kill(self.directory)
+            self.directory = None
         if self._started_ray:
             ray.shutdown()
 
     # ---- serving -------------------------------------------------------------
     async def start_backend(self) -> RayBackend:
-        from engine.tokenizer import Tokenizer
-        from engine.weights import read_config
-
-        model_config = read_config(self.model_dir)
-        max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
-                      for sc in self.config.stages.values())
-        tokenizer = Tokenizer.from_folder(self.model_dir)
-        # the request channel: on loopback, or, in a joined cluster, at this
-        # node's address (spec `network`: the bind host and port range)
         node = "127.0.0.1"
         if self._is_joined:
             import ray
 
             node = ray.util.get_node_ip_address()
-        host, advertise, ports = self.config.network.channel_bind(self._is_joined, node)
-        self.backend = RayBackend(self.config.model, self.config.mode, tokenizer, max_len,
-                                  model_config.vocab_size, Router(self.config.router), self.actors,
-                                  channel_host=host, channel_advertise_host=advertise, channel_ports=ports,
-                                  health=self.config.health, respawn=self.respawn)
-        await self.backend.start()
+        respawn = self.respawn if self.directory is None else self._respawn_and_publish
+        on_failed = None if self.directory is None else (
+            lambda rid, error: self.directory.fail.remote(rid, error))
+        self.backend = await build_backend(self.config, self.model_dir, self.actors, self._is_joined, respawn,
+                                           node=node, on_failed=on_failed)
         return self.backend
 
-    async def start(self) -> Frontends:
-        """Actors, backend and frontends (call from the serving event loop)."""
-        await asyncio.get_running_loop().run_in_executor(None, self.start_actors)
+    async def start(self) -> Frontends | FrontendSet:
+        """Actors, backend and frontends (call from the serving event loop).
+
+        With ``frontend.replicas`` > 1 this process is the controller only:
+        its backend watches and replaces the replicas, and the frontend
+        actors serve (`cluster.frontend_replicas`)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.start_actors)
+        if self.config.frontend.replicas > 1:
+            await loop.run_in_executor(None, self._start_directory)
         await self.start_backend()
-        self.frontends = await serve_frontends(self.backend, self.config.frontend)
+        if self.config.frontend.replicas > 1:
+            self.frontends = await loop.run_in_executor(None, self._start_frontend_actors)
+        else:
+            self.frontends = await serve_frontends(self.backend, self.config.frontend)
         if self.config.profile is not None:
             self._startup_profile = asyncio.create_task(self._profile_at_startup())
         return self.frontends
+
+    # ---- several frontends -----------------------------------------------------
+    def _start_directory(self) -> None:
+        import ray
+
+        from cluster.frontend_replicas import DirectoryEntry, ReplicaDirectory
+
+        entries = {rid: DirectoryEntry(stage, actor) for rid, (stage, actor) in self.actors.items()}
+        self.directory = ray.remote(ReplicaDirectory).options(
+            num_cpus=0, name=f"{self.name}-directory", lifetime=None, **_this_node()).remote(entries)
+
+    def _respawn_and_publish(self, rid: str, old, restart: int):
+        import ray
+
+        handle = self.respawn(rid, old, restart)
+        ray.get(self.directory.publish.remote(rid, handle, restart))
+        return handle
+
+    def _start_frontend_actors(self) -> FrontendSet:
+        """One actor per frontend; each binds its ports (`frontend_ports`)."""
+        import ray
+
+        from cluster.frontend_replicas import FrontendReplica, frontend_ports
+
+        fc = self.config.frontend
+        cls = ray.remote(FrontendReplica)
+        opts = dict(num_cpus=0, max_concurrency=8, max_restarts=self.config.health.restart_budget,
+                    lifetime=None, **_this_node())
+        actors = []
+        try:
+            for i, ports in enumerate(frontend_ports(fc)):
+                actors.append(cls.options(name=f"{self.name}-frontend-{i}", **opts).remote(
+                    i, self.config, self.model_dir, self.directory, self._is_joined, ports))
+            ports = ray.get([a.ready.remote(self.config.health.ready_timeout_s) for a in actors])
+        except BaseException:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise
+        return FrontendSet(actors, ports)
 
     async def _profile_at_startup(self) -> None:
         p = self.config.profile
@@ -184,6 +227,64 @@ class Cluster:
         await asyncio.get_running_loop().run_in_executor(None, self.stop_actors)
 
 
+async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_joined: bool, respawn,
+                        tolerate_missing: bool = False, node: str = "127.0.0.1",
+                        on_failed=None) -> RayBackend:
+    """A started `RayBackend` over ``actors`` (the controller's, or a frontend actor's own view)."""
+    from engine.tokenizer import Tokenizer
+    from engine.weights import read_config
+
+    model_config = read_config(model_dir)
+    max_len = min(sc.engine.max_model_len or model_config.max_position_embeddings
+                  for sc in config.stages.values())
+    tokenizer = Tokenizer.from_folder(model_dir)
+    # the request channel: on loopback, or, in a joined cluster, at this
+    # node's address (spec `network`: the bind host and port range)
+    host, advertise, ports = config.network.channel_bind(is_joined, node)
+    backend = RayBackend(config.model, config.mode, tokenizer, max_len, model_config.vocab_size,
+                         Router(config.router), actors, channel_host=host, channel_advertise_host=advertise,
+                         channel_ports=ports, health=config.health, respawn=respawn,
+                         on_failed=on_failed)
+    await backend.start(tolerate_missing=tolerate_missing)
+    return backend
+
+
+@dataclasses.dataclass
+class FrontendSet:
+    """The frontend actors of a deployment with ``frontend.replicas`` > 1, and the ports each bound."""
+
+    actors: list
+    ports: list[tuple[int, int | None]]
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports[0][0]
+
+    @property
+    def http_port(self) -> int | None:
+        return self.ports[0][1]
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        import ray
+
+        def stop_all():
+            refs = [a.stop.remote(grace or 0.0) for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=(grace or 0.0) + 15)
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
+
+        await asyncio.get_running_loop().run_in_executor(None, stop_all)
+
+
+def _this_node() -> dict:
+    """Ray options that pin an actor to the node of this process (its frontends share its host's ports)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                  soft=False)}
+
+
 def serve(spec: Spec) -> int:
     """`kvrelay serve`: run until SIGINT/SIGTERM, then shut down cleanly."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -206,10 +307,17 @@ async def _serve(cluster: Cluster) -> int:
     host = cluster.config.frontend.host
     print(f"kvrelay: serving {cluster.config.model} ({cluster.config.mode}, "
           f"{len(cluster.actors)} replicas) in {time.monotonic() - t0:.1f}s", flush=True)
-    print(f"  gRPC  {host}:{fe.grpc_port}   e.g. kvrelay generate --target {host}:{fe.grpc_port} "
-          f"\"What is the capital of France?\"", flush=True)
-    if fe.http_port:
-        print(f"  HTTP  http://{host}:{fe.http_port}/v1   (OpenAI-compatible; /metrics, /health)", flush=True)
+    ports = fe.ports if isinstance(fe, FrontendSet) else [(fe.grpc_port, fe.http_port)]
+    if len(ports) > 1:
+        shared = len(set(ports)) == 1
+        print(f"  {len(ports)} frontend processes" + (" sharing these ports (SO_REUSEPORT)" if shared else ""),
+              flush=True)
+        ports = sorted(set(ports), key=ports.index)
+    for grpc_port, http_port in ports:
+        print(f"  gRPC  {host}:{grpc_port}   e.g. kvrelay generate --target {host}:{grpc_port} "
+              f"\"What is the capital of France?\"", flush=True)
+        if http_port:
+            print(f"  HTTP  http://{host}:{http_port}/v1   (OpenAI-compatible; /metrics, /health)", flush=True)
     await stop.wait()
     print("kvrelay: shutting down", flush=True)
     await cluster.stop()

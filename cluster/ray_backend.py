@@ -27,7 +27,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cluster.replicas import HealthConfig, Replicas, Respawn
 from cluster.router import Placement, Router
@@ -64,13 +64,15 @@ class RayBackend:
                  channel_host: str = "127.0.0.1", channel_advertise_host: str | None = None,
                  channel_ports: tuple[int, int] | None = None,
                  connect_timeout_s: float = 60.0, stall_timeout_s: float = 600.0,
-                 health: HealthConfig = HealthConfig(), respawn: Respawn | None = None):
+                 health: HealthConfig = HealthConfig(), respawn: Respawn | None = None,
+                 on_failed: Callable[[str, str], None] | None = None):
         """``channel_host``: where the request channel (`engine.serving.channel`)
         listens (on the first free port of ``channel_ports``, None: any);
         replicas reach it at ``channel_advertise_host`` (default: ``channel_host``). ``stall_timeout_s``: a request that hears nothing
         from its replicas for this long is taken from them (it migrates).
         ``health``: migration limits and how replicas are watched;
-        ``respawn``: how the launcher replaces a replica (None: it does not)."""
+        ``respawn``: how the launcher replaces a replica (None: it does not);
+        ``on_failed(replica_id, error)``: told when a replica is given up on."""
         self.model_name = model_name
         self.mode = mode
         self.tokenizer = tokenizer
@@ -82,12 +84,16 @@ class RayBackend:
         self.stall_timeout_s = stall_timeout_s
         self.channels = ChannelServer(os.urandom(32), channel_host, channel_advertise_host,
                                       on_lost=lambda rid: self.watch.lost_channel(rid), ports=channel_ports)
-        self.watch = Replicas(router, self.channels, replicas, health, respawn, load_interval_s, connect_timeout_s)
+        self.watch = Replicas(router, self.channels, replicas, health, respawn, load_interval_s, connect_timeout_s,
+                              on_failed)
         self._attempts: dict[str, tuple[str, Placement]] = {}  # request id -> its current (attempt id, placement)
 
-    async def start(self) -> None:
+    async def start(self, tolerate_missing: bool = False) -> None:
+        """Listen, and dial every replica. ``tolerate_missing``: a replica that
+        cannot be reached now is taken as failed (and replaced or followed)
+        instead of failing the start; a frontend that Ray restarted uses it."""
         await self.channels.start()
-        await self.watch.start()
+        await self.watch.start(tolerate_missing)
 
     async def stop(self) -> None:
         self.channels.on_lost = None  # the replicas are not failing: we are going

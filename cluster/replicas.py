@@ -76,7 +76,7 @@ class Replicas:
 
     def __init__(self, router: Router, channels: ChannelServer, handles: dict[str, tuple[Stage, object]],
                  health: HealthConfig, respawn: Respawn | None = None, load_interval_s: float = 0.05,
-                 connect_timeout_s: float = 60.0):
+                 connect_timeout_s: float = 60.0, on_failed: Callable[[str, str], None] | None = None):
         self.router = router
         self.channels = channels
         self.handles = handles
@@ -84,17 +84,25 @@ class Replicas:
         self.respawn = respawn
         self.load_interval_s = load_interval_s
         self.connect_timeout_s = connect_timeout_s
+        self.on_failed = on_failed
         self._health = {rid: _Health(stage) for rid, (stage, _) in handles.items()}
         self._tasks: list[asyncio.Task] = []
         self._reconnecting: set[str] = set()
 
-    async def start(self) -> None:
-        """Dial every replica's channel, take one load report from each, then watch them."""
+    async def start(self, tolerate_missing: bool = False) -> None:
+        """Dial every replica's channel, take one load report from each, then
+        watch them. A replica that cannot be dialled fails the start, or, with
+        ``tolerate_missing``, is replaced (a frontend joining a deployment
+        where one is being replaced)."""
         for rid, (stage, _) in self.handles.items():
             self.router.add_replica(rid, stage)
-        await asyncio.gather(*(self._connect(rid) for rid in self.handles))
-        await asyncio.gather(*(self._poll(rid) for rid in self.handles))
-        self._tasks = [asyncio.create_task(self._watch(rid)) for rid in self.handles]
+        dialled = await asyncio.gather(*(self._connect(rid) for rid in self.handles),
+                                       return_exceptions=tolerate_missing)
+        missing = {rid: e for rid, e in zip(self.handles, dialled) if isinstance(e, BaseException)}
+        for rid, e in missing.items():
+            self._replace(rid, f"unreachable when this frontend started: {type(e).__name__}: {_first_line(e)}")
+        await asyncio.gather(*(self._poll(rid) for rid in self.handles if rid not in missing))
+        self._tasks += [asyncio.create_task(self._watch(rid)) for rid in self.handles]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -202,8 +210,7 @@ class Replicas:
         self._take_out(rid, why)
         h.last_error = why
         if self.respawn is None or h.num_restarts >= self.config.restart_budget:
-            h.state = ReplicaState.FAILED
-            log.error("replica %s failed for good (%d restarts): %s", rid, h.num_restarts, why)
+            self._give_up(rid)
             return
         h.state = ReplicaState.RESTARTING
         self._tasks.append(asyncio.create_task(self._restart(rid)))
@@ -230,8 +237,17 @@ class Replicas:
             self.router.mark_alive(rid)
             log.warning("replica %s: replacement %d serving", rid, h.num_restarts)
             return
+        self._give_up(rid)
+
+    def _give_up(self, rid: str) -> None:
+        h = self._health[rid]
         h.state = ReplicaState.FAILED
         log.error("replica %s failed for good after %d restarts: %s", rid, h.num_restarts, h.last_error)
+        if self.on_failed is not None:
+            try:
+                self.on_failed(rid, h.last_error)
+            except Exception:
+                log.exception("replica %s: reporting its failure failed", rid)
 
 
 def _awaitable(ref):

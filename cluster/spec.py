@@ -265,11 +265,29 @@ class FrontendSpec(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
     tls: TLSSpec | None = None
     health_interval_s: float = Field(1.0, gt=0, le=60)  # gRPC health re-checks the replicas this often
+    # Frontend processes for one deployment, each serving gRPC and HTTP with its own router view. 1: the
+    # `kvrelay serve` process serves; N > 1: N frontend actors on the node that runs `kvrelay serve`.
+    replicas: int = Field(1, ge=1, le=64)
+    # N > 1: every frontend on the same two ports (SO_REUSEPORT; the kernel spreads connections), or,
+    # when false, frontend i on grpc_port + i and http_port + i (each scraped and addressed on its own).
+    reuse_port: bool = True
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "FrontendSpec":
         if self.http_port is not None and self.http_port == self.grpc_port != 0:
             raise ValueError(f"grpc_port and http_port must differ (both {self.grpc_port})")
+        if self.replicas > 1 and not self.reuse_port and self.http_port is not None and 0 not in (
+                self.grpc_port, self.http_port):
+            grpc_ports = range(self.grpc_port, self.grpc_port + self.replicas)
+            http_ports = range(self.http_port, self.http_port + self.replicas)
+            if set(grpc_ports) & set(http_ports):
+                raise ValueError(f"with {self.replicas} frontends and reuse_port false, gRPC ports "
+                                 f"{grpc_ports.start}-{grpc_ports.stop - 1} and HTTP ports "
+                                 f"{http_ports.start}-{http_ports.stop - 1} overlap")
+        if self.replicas > 1 and not self.reuse_port and max(self.grpc_port, self.http_port or 0) \
+                + self.replicas - 1 > 65535:
+            raise ValueError(f"{self.replicas} frontends from port {max(self.grpc_port, self.http_port or 0)} "
+                             "run past 65535")
         return self
 
 
@@ -471,6 +489,8 @@ class FrontendConfig:
     tls_key_file: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no auth
     health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
+    replicas: int = 1  # frontend processes (`FrontendSpec.replicas`)
+    reuse_port: bool = False  # share the ports with the deployment's other frontends (SO_REUSEPORT)
 
 
 @dataclass(frozen=True)
@@ -550,6 +570,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
         api_keys=tuple(spec.auth.resolve_api_keys()), health_interval_s=f.health_interval_s,
+        replicas=f.replicas, reuse_port=f.reuse_port and f.replicas > 1,
     )
     n = spec.network
     ports = lambda r: None if r is None else (r.first, r.last)  # noqa: E731
