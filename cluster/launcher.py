@@ -304,6 +304,10 @@ async def _serve(cluster: Cluster) -> int:
         print(f"kvrelay: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         await cluster.stop()
         return 1
+    # Joining a Ray cluster installs Ray's failure-signal handler over ours, which turns SIGTERM into an
+    # abort (exit -6, no clean stop): take SIGINT and SIGTERM back now that Ray is up.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     host = cluster.config.frontend.host
     print(f"kvrelay: serving {cluster.config.model} ({cluster.config.mode}, "
           f"{len(cluster.actors)} replicas) in {time.monotonic() - t0:.1f}s", flush=True)

@@ -77,7 +77,7 @@ class ServedFrontends:
                 for family in text_string_to_metric_families(text.decode()) for s in family.samples}
 
     def close(self):
-        self.call(self.frontends.stop(0))
+        self.call(self.frontends.stop(0), timeout=30)  # a loaded machine (CI) can take a while
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
