@@ -238,3 +238,20 @@ def test_network_fields_reach_the_receiver_and_the_channel():
     receiver = config.network.receiver_config(config.transfer.receiver, True)
     assert (receiver.host, receiver.port, receiver.port_max) == ("0.0.0.0", 30100, 30131)
     assert config.network.channel_bind(True, "10.0.0.5") == ("0.0.0.0", "10.0.0.5", (30000, 30000))
+
+
+def test_several_frontends_and_their_ports():
+    fc = split_spec(Spec.model_validate({"frontend": {"replicas": 3}})).frontend
+    assert (fc.replicas, fc.reuse_port) == (3, True)
+    assert split_spec(Spec.model_validate({})).frontend.reuse_port is False  # one frontend shares nothing
+    from cluster.frontend_replicas import frontend_ports
+    assert frontend_ports(fc) == [(50051, 8000)] * 3
+    own = split_spec(Spec.model_validate({"frontend": {"replicas": 3, "reuse_port": False}})).frontend
+    assert frontend_ports(own) == [(50051, 8000), (50052, 8001), (50053, 8002)]
+    with pytest.raises(SpecError, match="frontend.*overlap"):
+        Spec.model_validate({"frontend": {"replicas": 3, "reuse_port": False, "grpc_port": 8000,
+                                          "http_port": 8002}})
+    with pytest.raises(SpecError, match="frontend.*65535"):
+        Spec.model_validate({"frontend": {"replicas": 4, "reuse_port": False, "grpc_port": 65534}})
+    with pytest.raises(SpecError, match="frontend.replicas"):
+        Spec.model_validate({"frontend": {"replicas": 0}})
