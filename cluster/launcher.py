@@ -52,6 +52,7 @@ class Cluster:
         self._startup_profile: asyncio.Task | None = None
         self.name = f"kvrelay-{secrets.token_hex(3)}"  # actor names: <name>-<replica id>
         self.directory = None  # with several frontends: the ReplicaDirectory actor
+        self.progress = lambda line: log.info("%s", line)  # startup progress; `kvrelay serve` prints it
 
     # ---- actors ------------------------------------------------------------
     def start_actors(self, ready_timeout_s: float = 300.0) -> None:
@@ -61,10 +62,16 @@ class Cluster:
 
         cfg = self.config
         if not ray.is_initialized():
+            address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+            self.progress(f"joining the Ray cluster at {address}" if address else "starting a local Ray instance")
             init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
             self._started_ray = True
         # Convert a GGUF once, here, so replicas don't race to do it.
+        t0 = time.monotonic()
+        self.progress(f"preparing the model {cfg.model or 'SmolLM2-135M-Instruct'} "
+                      "(a GGUF is converted once, then cached)")
         self.model_dir = str(resolve_model(cfg.model))
+        self.progress(f"model ready in {time.monotonic() - t0:.1f}s: {self.model_dir}")
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
@@ -77,11 +84,17 @@ class Cluster:
             for i in range(sc.num_replicas):
                 rid = f"{stage.value}-{i}"
                 self.actors[rid] = (stage, self._spawn(rid, stage))
-        refs = [a.load.remote() for _, a in self.actors.values()]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout_s)
-        if pending:
-            raise TimeoutError(f"{len(pending)} replica(s) not ready after {ready_timeout_s}s")
-        ray.get(ready)  # raises the replica's own error if it failed to start
+        self.progress(f"loading {len(self.actors)} replicas: {', '.join(self.actors)}")
+        t0 = time.monotonic()
+        refs = {a.load.remote(): rid for rid, (_, a) in self.actors.items()}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + ready_timeout_s - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"replica(s) {', '.join(refs[r] for r in pending)} not ready after "
+                                   f"{ready_timeout_s:g}s")
+            ray.get(ready)  # raises the replica's own error if it failed to start
+            self.progress(f"  {refs[ready[0]]} loaded ({time.monotonic() - t0:.1f}s; {len(pending)} to go)")
 
     def _spawn(self, rid: str, stage: Stage, restart: int = 0):
         """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first)."""
@@ -289,7 +302,9 @@ def serve(spec: Spec) -> int:
     """`kvrelay serve`: run until SIGINT/SIGTERM, then shut down cleanly."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = split_spec(spec)
-    return asyncio.run(_serve(Cluster(config)))
+    cluster = Cluster(config)
+    cluster.progress = lambda line: print(f"kvrelay: {line}", flush=True)
+    return asyncio.run(_serve(cluster))
 
 
 async def _serve(cluster: Cluster) -> int:

@@ -79,6 +79,10 @@ def test_sigkill_of_serve_leaves_nothing_behind(tmp_path):
     served = Served(spec, _env(), tmp_path / "serve.log")
     try:
         assert served.answers()
+        log = served.log.read_text()  # long startup work shows its progress
+        for line in ("starting a local Ray instance", "model ready in", "loading 2 replicas",
+                     "prefill-0 loaded", "decode-0 loaded"):
+            assert f"kvrelay: {line}" in log or f"kvrelay:   {line}" in log, line
         everything = psutil.Process(served.proc.pid).children(recursive=True)
         replicas = [p for p in everything if "Stage" in " ".join(p.cmdline()) or "Stage" in p.name()]
         assert len(replicas) == 2, [(p.pid, p.name()) for p in everything]
