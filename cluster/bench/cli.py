@@ -78,6 +78,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("a", help="results.json of the baseline (A)")
     c.add_argument("b", help="results.json to compare with it (B)")
     c.add_argument("--out", dest="compare_out", help="also write the table to this file")
+    c.add_argument("--plots", dest="compare_plots", metavar="DIR",
+                   help="also draw the two results together as PNGs in DIR (CDFs at the highest common rate; "
+                        "goodput and TPOT p99 against rate for sweeps)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -123,7 +126,8 @@ def _compare(args: argparse.Namespace) -> int:
     from cluster.bench.report import compare_results, load_results
 
     try:
-        table = compare_results(load_results(args.a), load_results(args.b))
+        a, b = load_results(args.a), load_results(args.b)
+        table = compare_results(a, b)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -131,4 +135,9 @@ def _compare(args: argparse.Namespace) -> int:
     if args.compare_out:
         with open(args.compare_out, "w") as f:
             f.write(table + "\n")
+    if args.compare_plots:
+        from cluster.bench.plots import write_comparison
+
+        written = write_comparison(a, b, args.compare_plots)
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -6,6 +6,8 @@ import threading
 import time
 
 import pytest
+
+from cluster.bench import plots
 from aiohttp import web
 
 from cluster.bench.runner import BenchConfig, run_bench
@@ -131,8 +133,18 @@ def test_grpc_sweep_writes_results_and_plots(served, tmp_path, capsys):
     assert len(set(lens)) > 1  # --range-ratio spreads the lengths
     sent = [list(req.prompt_token_ids) for req in served.backend.requests]
     assert len({tuple(p) for p in sent}) > 12  # each rate gets fresh prompts
-    for name in ("ttft_cdf.png", "itl_cdf.png", "goodput_vs_rate.png", "p99_itl_vs_rate.png"):
+    for name in ("ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png", "e2e_cdf.png", "goodput_vs_rate.png",
+                 "achieved_vs_rate.png", "p99_itl_vs_rate.png", "tpot_vs_rate.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figs = plots.figures(data)
+    slo_lines = lambda fig: [ln.get_label() for ln in fig.axes[0].get_lines() if ln.get_label().startswith("SLO")]  # noqa: E731
+    assert slo_lines(figs["ttft_cdf.png"]) == ["SLO 2000 ms"]  # the SLOs given on the command line are drawn
+    assert slo_lines(figs["tpot_cdf.png"]) == slo_lines(figs["tpot_vs_rate.png"]) == ["SLO 500 ms"]
+    for name in ("goodput_vs_rate.png", "achieved_vs_rate.png", "tpot_vs_rate.png", "p99_itl_vs_rate.png"):
+        assert figs[name].axes[0].get_ylim()[0] == 0, name  # rate plots start at 0
+    achieved = {ln.get_label(): ln for ln in figs["achieved_vs_rate.png"].axes[0].get_lines()}
+    assert list(achieved["achieved = offered"].get_xdata()) == [0, 80]
+    assert list(achieved["achieved (completed)"].get_xdata()) == [40, 80]
 
     # compare two runs as markdown
     other = dict(data, label="disagg", runs=data["runs"][:1])
@@ -144,6 +156,13 @@ def test_grpc_sweep_writes_results_and_plots(served, tmp_path, capsys):
     assert "| 40 | req/s |" in table and "| 80 | TTFT p99 ms |" in table and "| 80 | req/s | " in table
     assert "| 40 | failed | 0 | 0 | - |" in table and "| - | max rate at 90% SLO attainment | 80 | 80 | - |" in table
     assert md.read_text() == table
+    drawn = tmp_path / "cmp"
+    assert main(["bench", "compare", str(out / "results.json"), str(tmp_path / "b.json"), "--plots", str(drawn)]) == 0
+    assert sorted(p.name for p in drawn.iterdir()) == sorted(  # b ran one rate: CDFs at 40 req/s, no sweep plots
+        ["compare_ttft_cdf.png", "compare_tpot_cdf.png", "compare_itl_cdf.png", "compare_e2e_cdf.png"])
+    cmp = plots.comparison_figures(data, dict(data, label="disagg"))
+    assert [ln.get_label() for ln in cmp["compare_goodput_vs_rate.png"].axes[0].get_lines()] == ["echo", "disagg"]
+    assert "at 80 req/s" in cmp["compare_ttft_cdf.png"].axes[0].get_title()
 
 
 def test_grpc_max_concurrency_and_errors(served):
