@@ -127,6 +127,8 @@ def _validate(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
         if args.check_secrets:
             split_spec(spec)
+        if any(s.tensor_parallel_size > 1 for s in spec.stages().values()):
+            _check_model(spec)
     except SpecError as e:
         print(f"{args.spec}: invalid", file=sys.stderr)
         for problem in e.problems:
@@ -135,6 +137,20 @@ def _validate(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{s.value} x{st.replicas}" for s, st in spec.stages().items())
     print(f"{args.spec}: OK ({spec.mode}: {stages}; transfer {spec.transfer.backend}; router {spec.router.policy})")
     return 0
+
+
+def _check_model(spec) -> None:
+    """The spec against its model's config (tensor_parallel_size must split the heads), where
+    the model is at hand here; a model this host cannot read is left to `serve`."""
+    from engine.weights import read_config, resolve_model
+
+    try:
+        model_config = read_config(resolve_model(spec.model))
+    except Exception as e:  # noqa: BLE001 - not a model here: validated where it is served
+        print(f"note: model {spec.model!r} not read here ({type(e).__name__}); tensor_parallel_size "
+              "is checked against it at serve", file=sys.stderr)
+        return
+    spec.check_model(model_config)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from cluster.frontends import Frontends, serve_frontends
 from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
-from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
+from cluster.spec import ClusterConfig, Spec, StageConfig, check_tp_fits_model, split_spec
 from cluster.types import Stage
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.actors: dict[str, tuple[Stage, object]] = {}
+        self.placement_groups: dict[str, object] = {}  # replica id -> its placement group (tensor-parallel ones)
         self.backend: RayBackend | None = None
         self.frontends: Frontends | None = None
         self._started_ray = False
@@ -64,6 +65,10 @@ class Cluster:
             self._started_ray = True
         # Convert a GGUF once, here, so replicas don't race to do it.
         self.model_dir = str(resolve_model(cfg.model))
+        from engine.weights import read_config
+
+        check_tp_fits_model({st: sc.tensor_parallel_size for st, sc in cfg.stages.items()},
+                            read_config(self.model_dir))
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
@@ -83,7 +88,9 @@ class Cluster:
         ray.get(ready)  # raises the replica's own error if it failed to start
 
     def _spawn(self, rid: str, stage: Stage, restart: int = 0):
-        """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first)."""
+        """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first). A
+        tensor-parallel replica first gets its placement group (`cluster.tp_ranks`): the stage
+        actor is rank 0 in bundle 0 and starts the other ranks in the others."""
         import ray
 
         sc = self.config.stages[stage]
@@ -91,8 +98,24 @@ class Cluster:
         opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=name, get_if_exists=False,
                     lifetime=None)
         threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
+        kwargs = {}
+        if sc.tensor_parallel_size > 1:
+            from cluster.tp_ranks import RayRankLauncher, in_bundle, place_replica
+
+            pg = place_replica(name, stage, sc.tensor_parallel_size, sc.ray_options, sc.placement_strategy,
+                               sc.placement_timeout_s)
+            self.placement_groups[rid] = pg
+            opts["scheduling_strategy"] = in_bundle(pg, 0)
+            kwargs["ranks"] = RayRankLauncher(pg, name, dict(sc.ray_options), threads)
         return ray.remote(_stage_class(stage)).options(**opts).remote(
-            rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads)
+            rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads, **kwargs)
+
+    def _remove_group(self, rid: str) -> None:
+        pg = self.placement_groups.pop(rid, None)
+        if pg is not None:
+            from cluster.tp_ranks import remove_replica_group
+
+            remove_replica_group(pg)
 
     def respawn(self, rid: str, old, restart: int):
         """Replace replica ``rid``: the old actor is killed (a stalled one must not come back), a new one
@@ -103,6 +126,7 @@ class Cluster:
             ray.kill(old, no_restart=True)
         except Exception:
             pass
+        self._remove_group(rid)  # every rank of a tensor-parallel replica goes with it
         stage = self.actors[rid][0]
         return self._spawn(rid, stage, restart)
 
@@ -122,6 +146,8 @@ class Cluster:
             except Exception:
                 pass
             ray.kill(actor)
+        for rid in list(self.placement_groups):
+            self._remove_group(rid)
         self.actors.clear()
         if self._started_ray:
             ray.shutdown()

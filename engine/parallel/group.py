@@ -1,11 +1,14 @@
 """Rank 0's handle on a tensor-parallel group on one host: the worker processes, the
 shared segment, the collectives, and their teardown.
 
-    group = TPGroup(model_dir, config, model_config)   # creates the segment, spawns ranks 1..N-1
+    group = TPGroup(model_dir, config, model_config)   # creates the segment, starts ranks 1..N-1
     ... rank 0 builds its own shard of the model (EngineCore) ...
     group.finish_start(num_blocks)                     # every rank allocates its cache; all ready
     group.send_step(payload)                           # once per step (engine.parallel.step)
     group.close()                                      # STOP, join; or abort and kill
+
+Ranks 1..N-1 are started by a launcher (engine.parallel.launch): spawned
+children by default, the replica's Ray actors in the cluster.
 
 Teardown is also registered with `weakref.finalize`, so garbage collection
 and interpreter exit close the group too; a failed step (an exception, a
@@ -16,8 +19,8 @@ milliseconds and exits.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -25,10 +28,11 @@ import weakref
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import CollectiveError, GlooCollectives
+from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
-from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message, worker_main
+from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +125,8 @@ class _State:
 
 
 class TPGroup:
-    def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig,
+                 launcher: RankLauncher | None = None):
         tp = config.tensor_parallel_size
         self.size = tp
         self.layout = segment_layout(config, model_config)
@@ -129,18 +134,14 @@ class TPGroup:
         self._finalizer = weakref.finalize(self, state.teardown)
         self.rank_memory: dict[int, RankMemory] = {}  # ranks 1.. as they reported when ready
         try:
-            ctx = mp.get_context("spawn")
+            launcher = launcher or SpawnLauncher()
             gloo = f"tcp://127.0.0.1:{_free_port()}" if config.tp_backend == "gloo" else None
-            threads = threads_per_rank(tp)
-            for rank in range(1, tp):
-                parent, child = ctx.Pipe()
-                spec = WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
-                                  is_oversubscribed(tp))
-                p = ctx.Process(target=worker_main, args=(spec, child), name=f"kvrelay-tp-rank{rank}", daemon=True)
-                p.start()
-                child.close()
+            threads = launcher.num_threads or threads_per_rank(tp)
+            specs = [WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
+                                is_oversubscribed(tp)) for rank in range(1, tp)]
+            for p, conn in launcher.start(specs, config.tp_timeout_s + 60.0):
                 state.procs.append(p)
-                state.conns.append(parent)
+                state.conns.append(conn)
             procs = state.procs  # (not self: the finalizer must not keep the group alive)
             state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
                                  peers_alive=lambda: all(p.exitcode is None for p in procs),
@@ -199,6 +200,17 @@ class TPGroup:
         """Raise where the group can no longer run a step."""
         if self.state.is_closed or not self.state.is_healthy:
             raise CollectiveError("the tensor-parallel group is down (a rank failed or it was closed)")
+
+    def check_ranks(self) -> None:
+        """Raise (and tear the group down) where a rank's process is gone, even between steps:
+        a serving replica calls it each round, so a dead rank takes the replica down at once."""
+        self.check()
+        for rank, p in enumerate(self.state.procs, start=1):
+            if p.exitcode is not None:
+                cause = self.worker_error()
+                self.fail()
+                raise CollectiveError(f"tensor-parallel rank {rank} (pid {p.pid}) is gone (code {p.exitcode})"
+                                      + (f": {cause}" if cause else ""))
 
     def worker_error(self) -> str | None:
         """The first error a worker reported, if any (after a failed collective)."""

@@ -1,4 +1,5 @@
-"""A tensor-parallel rank other than 0: a spawned process that runs its shard of every step.
+"""A tensor-parallel rank other than 0: a process (spawned by rank 0, or a Ray actor of the
+replica; engine.parallel.launch) that runs its shard of every step.
 
 Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 
@@ -9,7 +10,8 @@ Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 4. run: for each step message, rebuild the batch from the mirrored block
    tables, run the forward (joining every all-reduce) and, where the batch
    samples, hand its vocabulary slice of the logits to rank 0;
-5. stop: on STOP, on an abort, or when rank 0's process is gone.
+5. stop: on STOP, on an abort, or when rank 0's process is gone (its parent, or
+   ``leader_pid`` watched through a pidfd).
 
 Errors are sent to rank 0 over the pipe, and the group is aborted so that no
 rank waits for this one. SIGINT is ignored: Ctrl-C reaches rank 0, which
@@ -42,6 +44,7 @@ class WorkerSpec:
     num_threads: int
     gloo_init_method: str | None  # set with tp_backend "gloo"
     oversubscribed: bool  # more ranks than cores
+    leader_pid: int | None = None  # rank 0's process where it is not this one's parent (a Ray actor)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,10 @@ def memory_report(model) -> RankMemory:
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread (a Ray actor's call): Ctrl-C does not reach it anyway
+        pass
     parent = os.getppid()
     shm = comm = None
     try:
@@ -113,8 +119,14 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 
         torch.set_num_threads(spec.num_threads)
         config = spec.config
+        if spec.leader_pid is None:
+            peers_alive = lambda: os.getppid() == parent  # noqa: E731
+        else:
+            from engine.parallel.launch import PidWatch
+
+            peers_alive = PidWatch(spec.leader_pid).is_alive
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
-                       peers_alive=lambda: os.getppid() == parent, oversubscribed=spec.oversubscribed)
+                       peers_alive=peers_alive, oversubscribed=spec.oversubscribed)
         conn.send(Attached())
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
