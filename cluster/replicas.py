@@ -152,7 +152,7 @@ class Replicas:
             return
         h.silent_since = None
         if not load.is_alive:
-            self._replace(rid, "its stage loop died")
+            self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return
         hashes = frozenset()
         if self.router.config.policy == "prefix_aware" and h.stage is not Stage.DECODE:

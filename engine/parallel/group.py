@@ -205,12 +205,17 @@ class TPGroup:
         """Raise (and tear the group down) where a rank's process is gone, even between steps:
         a serving replica calls it each round, so a dead rank takes the replica down at once."""
         self.check()
-        for rank, p in enumerate(self.state.procs, start=1):
-            if p.exitcode is not None:
-                cause = self.worker_error()
-                self.fail()
-                raise CollectiveError(f"tensor-parallel rank {rank} (pid {p.pid}) is gone (code {p.exitcode})"
-                                      + (f": {cause}" if cause else ""))
+        gone = self.gone_ranks()
+        if gone is not None:
+            cause = self.worker_error()
+            self.fail()
+            raise CollectiveError(f"tensor-parallel {gone}" + (f" ({cause})" if cause else ""))
+
+    def gone_ranks(self) -> str | None:
+        """Which ranks' processes are gone, if any: ``rank 1 (pid 123) is gone``."""
+        gone = [f"rank {rank} (pid {p.pid})" for rank, p in enumerate(self.state.procs, start=1)
+                if p.exitcode is not None]
+        return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else None
 
     def worker_error(self) -> str | None:
         """The first error a worker reported, if any (after a failed collective)."""

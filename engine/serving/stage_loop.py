@@ -187,7 +187,7 @@ class StageLoop:
     def load(self) -> LoadReport:
         """The latest load snapshot (taken by the loop thread after each round)."""
         if self._fatal is not None:  # a dead loop takes no more snapshots
-            return LoadReport(self.replica_id, is_alive=False)
+            return LoadReport(self.replica_id, is_alive=False, error=self._fatal)
         return self._load
 
     def rank_pids(self) -> list[int]:

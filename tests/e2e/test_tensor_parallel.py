@@ -169,7 +169,7 @@ def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(serv
             break
         assert time.monotonic() < deadline, f"{victim} is not replaced: {st}"
         time.sleep(0.2)
-    assert "rank 1" in st.last_error or "died" in st.last_error, st.last_error
+    assert f"rank 1 (pid {old[1]}) is gone" in st.last_error, st.last_error
     new = rank_pids(served, victim)
     served_pids.extend(new)
     assert not set(new) & set(old)
