@@ -87,6 +87,8 @@ class ReplicaStatus:
     state: str = "serving"  # serving | stalled | restarting | failed (cluster.replicas.ReplicaState)
     num_restarts: int = 0  # times the replica was replaced
     last_error: str = ""  # why it last left the router
+    tensor_parallel_size: int = 1  # ranks of the replica (a tensor-parallel replica is one unit)
+    rank_pids: tuple[int, ...] = ()  # each rank's process id on the replica's host, rank 0 first
 
     @property
     def kv_usage(self) -> float:

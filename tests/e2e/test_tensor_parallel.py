@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -124,8 +125,16 @@ def test_colocated_tp2_equals_engine_tp1(served, prompts, reference):
     for i, (g, want) in enumerate(zip(got, reference[0])):
         assert g == want, f"request {i} differs from engine.LLM at TP=1"
     assert served.wait_pools_free() == {rid: True for rid in served.cluster.actors}
+    # one unit everywhere else: status shows its size and ranks, metrics a series per rank
     status = {r.replica_id: r for r in served.client.status().replicas}
-    assert all(r.is_alive for r in status.values())
+    for rid, r in status.items():
+        assert r.is_alive and r.tensor_parallel_size == 2 and list(r.rank_pids) == rank_pids(served, rid)
+    assert metric(served, "kvrelay_replica_tensor_parallel_size") == 4  # two replicas of two ranks
+    body = urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/metrics", timeout=10).read().decode()
+    for rid, r in status.items():
+        for rank, pid in enumerate(r.rank_pids):
+            assert f'kvrelay_replica_rank_pid{{stage="colocated",replica="{rid}",rank="{rank}"}} {float(pid)}' \
+                in body
 
 
 def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(served, prompts, reference):
