@@ -71,7 +71,7 @@ def test_status_does_not_show_a_dead_replicas_last_load(served, capsys):
     # EchoBackend's c1 is dead, its last report 7 running, 300 queued tokens, 5 in flight, 90% KV used
     assert main(["status", "--target", served.target]) == 0
     (c1,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("c1")]
-    assert c1 == ["c1", "colocated", "NO", "down", "-", "-", "-", "-", "0"]
+    assert c1 == ["c1", "colocated", "1", "NO", "down", "-", "-", "-", "-", "0"]
     assert main(["status", "--json", "--target", served.target]) == 0
     replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
     assert replicas["c1"]["is_alive"] is False
