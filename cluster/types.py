@@ -67,7 +67,8 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class ProfileTrace:
-    """A Chrome trace one replica wrote for a profile window, on its own host."""
+    """A Chrome trace one replica (one rank of it: a tensor-parallel replica writes one per rank,
+    `<replica>-rank<r>-...`) wrote for a profile window, on its own host."""
 
     replica_id: str
     host: str

@@ -70,6 +70,18 @@ def measure(model: Path, tp: int, dtype: str, prompt_len: int, max_tokens: int, 
         served.close()
 
 
+def _cpu_line() -> str:
+    name, flags = "?", set()
+    for line in open("/proc/cpuinfo"):
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == "?":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    return f"{name}, flags {' '.join(f for f in ('avx512_bf16', 'avx2') if f in flags) or 'neither avx512_bf16 nor avx2'}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto")
@@ -109,11 +121,16 @@ def main(argv=None) -> int:
 
         load = os.getloadavg()
         cmd = "python -m cluster.bench.tp " + " ".join(sys.argv[1:] if argv is None else argv)
-        body = (f"{SECTION}\n\nOne colocated replica served by `kvrelay serve`, TP=1 against TP=2 on the same "
-                f"two CPUs ({__doc__.split(chr(10) + chr(10))[1].strip()})\n\n"
+        body = (f"{SECTION}\n\nOne colocated replica served by `kvrelay serve` (its own process and local Ray; "
+                "this process is only the gRPC client), TP=1 against TP=2 on the same two CPUs: TP=1 is one "
+                "replica of num_cpus 2 (2 torch threads), TP=2 one replica of two ranks of num_cpus 1 (1 thread "
+                "each; two Ray actors in a STRICT_PACK placement group, shared-memory all-reduce). The model is a "
+                "random checkpoint of SmolLM2-135M's shape with 8 heads of 72 (9 heads do not split 2 ways) and "
+                "the default model's tokenizer. TPOT: the median over runs of one request's mean inter-token gap; "
+                f"then {args.concurrent} concurrent streams' mean gap.\n\n"
                 f"Prompt {args.prompt_len} tokens, {args.max_tokens} new tokens, greedy, dtype {args.dtype}; "
                 f"medians over {args.rounds} alternating rounds ({wall:.0f} s in all).\n\n{text}\n\n"
-                f"{provenance(cmd)}\n- Load average when it ended: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+                f"{provenance(cmd)}\n- CPU: {_cpu_line()}\n- Load average when it ended: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
                 "(1/5/15 min; the machine's 2 cores were shared with other work, so the absolute figures are "
                 "noisy; the ratio is what the alternating rounds are for)\n")
         write_section(body)

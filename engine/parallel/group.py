@@ -19,7 +19,6 @@ milliseconds and exits.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -32,7 +31,8 @@ from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
-from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message
+from engine.parallel.worker import (Attached, Failed, RankMemory, Ready, Traced, WorkerSpec, init_message,
+                                   profile_message)
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,11 @@ class TPGroup:
             self.close()
             raise
 
-    def _await(self, what: type, timeout_s: float) -> None:
-        """Each worker's next message must be a `what`; a worker's failure is raised here."""
+    def _await(self, what: type, timeout_s: float) -> list:
+        """Each worker's next message must be a `what` (returned, in rank order); a worker's
+        failure is raised here."""
         name = what.__name__.lower()
+        got = []
         deadline = time.monotonic() + timeout_s
         for rank, (p, conn) in enumerate(zip(self.state.procs, self.state.conns), start=1):
             while not conn.poll(0.05):
@@ -182,12 +184,28 @@ class TPGroup:
                 raise CollectiveError(f"tensor-parallel rank {rank}: expected {name}, got {type(msg).__name__}")
             if isinstance(msg, Ready):
                 self.rank_memory[rank] = msg.memory
+            got.append(msg)
+        return got
 
     def finish_start(self, num_blocks: int) -> None:
         """Rank 0's shard and cache are built: the others size their caches alike; wait for all."""
         try:
             self.state.shm.send(init_message(num_blocks))
             self._await(Ready, START_TIMEOUT_S)
+        except BaseException:
+            self.fail()
+            raise
+
+    def start_profile(self, out_dir: str, name: str, with_stack: bool = False) -> None:
+        """Open a profiler window on every other rank (call between steps, from the thread that
+        steps); each writes ``<out_dir>/<name>-rank<r>-<timestamp>.json``."""
+        self.send_step(profile_message(True, out_dir, name, with_stack))
+
+    def stop_profile(self, timeout_s: float = 300.0) -> list[str]:
+        """Close the windows; the other ranks' trace paths, rank 1 first (each exports its own)."""
+        self.send_step(profile_message(False))
+        try:
+            return [m.path for m in self._await(Traced, timeout_s)]
         except BaseException:
             self.fail()
             raise

@@ -175,9 +175,10 @@ class StageLoop:
         Raises if one is already open on this replica."""
         self.call(self._start_profile, out_dir, with_stack)
 
-    def stop_profile(self) -> str:
-        """Close the window; returns the Chrome trace's path on this host,
-        ``<out_dir>/<replica_id>-<timestamp>.json``."""
+    def stop_profile(self) -> list[str]:
+        """Close the window; returns the Chrome trace of each rank on this host, rank 0 first:
+        ``<out_dir>/<replica_id>-<timestamp>.json``, then (tensor-parallel)
+        ``<out_dir>/<replica_id>-rank<r>-<timestamp>.json``."""
         return self.call(self._stop_profile, timeout=300.0)
 
     def host(self) -> str:
@@ -279,12 +280,17 @@ class StageLoop:
         window = ProfileWindow(out_dir, self.replica_id, with_stack, cuda=self._is_cuda)
         window.start()
         self._profile = window
+        if self.core.tp_group is not None:  # a trace per rank
+            self.core.tp_group.start_profile(out_dir, self.replica_id, with_stack)
 
-    def _stop_profile(self) -> str:
+    def _stop_profile(self) -> list[str]:
         if self._profile is None:
             raise RuntimeError(f"{self.replica_id}: no profile is running")
         window, self._profile = self._profile, None
-        return str(window.stop())
+        paths = [str(window.stop())]
+        if self.core.tp_group is not None:
+            paths += self.core.tp_group.stop_profile()
+        return paths
 
     def _run(self) -> None:
         group = self.core.tp_group

@@ -6,6 +6,7 @@ that cannot be met and a TP that does not split the heads fail at start, fast, n
 wrong."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -137,9 +138,27 @@ def test_colocated_tp2_equals_engine_tp1(served, prompts, reference):
                 in body
 
 
-def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(served, prompts, reference):
+def test_the_profiler_writes_a_trace_per_rank(served, prompts, tmp_path):
+    out = tmp_path / "traces"
+    worker = threading.Thread(target=lambda: [generate(served, p) for p in prompts[:4]])
+    worker.start()
+    traces = served.client.profile(1.5, str(out))
+    worker.join(60)
+    by_replica: dict[str, list[str]] = {}
+    for t in traces:
+        by_replica.setdefault(t.replica_id, []).append(os.path.basename(t.path))
+    assert sorted(by_replica) == sorted(served.cluster.actors)
+    for rid, names in by_replica.items():
+        assert len(names) == 2 and names[0].startswith(f"{rid}-2") and names[1].startswith(f"{rid}-rank1-"), names
+    for t in traces:
+        events = json.loads(open(t.path).read())["traceEvents"]
+        assert any(str(e.get("name", "")).startswith("aten::") for e in events), t.path  # the rank's own ops
+
+
+@pytest.mark.parametrize("victim, rank", [("colocated-0", 1), ("colocated-1", 0)], ids=["rank1", "rank0"])
+def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(served, prompts, reference,
+                                                                           victim, rank):
     groups = len(placement_groups())
-    victim = "colocated-0"
     old = rank_pids(served, victim)
     migrated = metric(served, "kvrelay_request_migrations_total")
     want = reference[1]
@@ -161,7 +180,7 @@ def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(serv
         assert time.monotonic() < deadline, "the streams did not start on the victim"
         time.sleep(0.02)
     t_fault = time.monotonic()
-    os.kill(old[1], signal.SIGKILL)  # rank 1: not the stage actor
+    os.kill(old[rank], signal.SIGKILL)  # rank 0 is the stage actor; rank 1 a rank actor
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a request hung"
@@ -174,11 +193,12 @@ def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(serv
     deadline = time.monotonic() + 60
     while True:
         st = {r.replica_id: r for r in served.client.status().replicas}[victim]
-        if st.is_alive and st.state == "serving" and st.num_restarts >= 1:
+        if st.is_alive and st.state == "serving" and st.num_restarts >= 1 and st.rank_pids != tuple(old):
             break
         assert time.monotonic() < deadline, f"{victim} is not replaced: {st}"
         time.sleep(0.2)
-    assert f"rank 1 (pid {old[1]}) is gone" in st.last_error, st.last_error
+    if rank == 1:  # rank 0 saw it go and took the replica down, saying which
+        assert f"rank 1 (pid {old[1]}) is gone" in st.last_error, st.last_error
     new = rank_pids(served, victim)
     served_pids.extend(new)
     assert not set(new) & set(old)
