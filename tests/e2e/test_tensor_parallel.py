@@ -134,16 +134,26 @@ def test_colocated_tp2_equals_engine_tp1(served, prompts, reference):
     body = urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/metrics", timeout=10).read().decode()
     for rid, r in status.items():
         for rank, pid in enumerate(r.rank_pids):
-            assert f'kvrelay_replica_rank_pid{{stage="colocated",replica="{rid}",rank="{rank}"}} {float(pid)}' \
+            assert f'kvrelay_replica_rank_pid{{rank="{rank}",replica="{rid}",stage="colocated"}} {float(pid)}' \
                 in body
 
 
 def test_the_profiler_writes_a_trace_per_rank(served, prompts, tmp_path):
     out = tmp_path / "traces"
-    worker = threading.Thread(target=lambda: [generate(served, p) for p in prompts[:4]])
-    worker.start()
-    traces = served.client.profile(1.5, str(out))
-    worker.join(60)
+    done = threading.Event()
+
+    def load(p):  # both replicas step all through the window
+        while not done.is_set():
+            generate(served, p)
+    workers = [threading.Thread(target=load, args=(p,)) for p in prompts[:4]]
+    for w in workers:
+        w.start()
+    try:
+        traces = served.client.profile(1.5, str(out))
+    finally:
+        done.set()
+        for w in workers:
+            w.join(60)
     by_replica: dict[str, list[str]] = {}
     for t in traces:
         by_replica.setdefault(t.replica_id, []).append(os.path.basename(t.path))
