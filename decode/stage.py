@@ -54,6 +54,8 @@ class DecodeStage(StageLoop):
             from kvtransfer.receiver import KVReceiver
 
             self.lease_s = receiver.lease_s
+            # (tensor-parallel: refused above until the per-rank transfer; then every rank's caches, as
+            # for the sender)
             self.receiver = KVReceiver(core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
                                        receiver)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV

@@ -75,6 +75,8 @@ class PrefillStage(StageLoop):
         check_transfer_ranks(engine_config, "prefill")
         core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.lease_s = sender.lease_s
+        # (tensor-parallel: refused above until the per-rank transfer; then the sender takes every rank's
+        # caches, core.tp_group's rank -> layer -> tensor, and their layout, instead of rank 0's alone)
         self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under
