@@ -121,6 +121,7 @@ class RankListener:
         self._error: BaseException | None = None
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._is_closed = False
 
     def accept(self, ranks: list[int], timeout_s: float, check=None) -> dict[int, tuple[int, Connection]]:
         """Each rank of ``ranks``'s (pid, connection); ``check()`` is called while waiting and may raise
@@ -148,12 +149,17 @@ class RankListener:
             while len(self._conns) < n:
                 try:
                     conn = self._listener.accept()
-                except AuthenticationError:  # a peer without the key: not one of ours
+                except (AuthenticationError, EOFError, ConnectionError):  # not one of ours, or gone mid-handshake
+                    if self._is_closed:
+                        return
                     continue
-                if not conn.poll(30.0):
+                try:
+                    rank, pid = conn.recv() if conn.poll(30.0) else (None, None)
+                except (EOFError, OSError, ValueError, TypeError):
+                    rank = None
+                if rank is None:  # silent, or gone before it said who it is
                     conn.close()
                     continue
-                rank, pid = conn.recv()
                 with self._lock:
                     self._conns[int(rank)] = (int(pid), conn)
                     self._lock.notify_all()
@@ -163,6 +169,7 @@ class RankListener:
                 self._lock.notify_all()
 
     def close(self) -> None:
+        self._is_closed = True
         try:
             self._listener.close()
         except OSError:
