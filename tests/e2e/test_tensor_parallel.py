@@ -57,9 +57,13 @@ def reference(tiny_model, prompts):
     return [o.token_ids for o in outs], [o.token_ids for o in long]
 
 
+TP_TIMEOUT_S = 5.0  # a collective that waits longer fails the replica
+
+
 def tp_spec(model, replicas: int = 2, tp: int = 2, **stage) -> dict:
     return {"model": str(model), "mode": "colocated", "router": {"policy": "round_robin"}, "health": HEALTH,
             "colocated": dict({"replicas": replicas, "tensor_parallel_size": tp, "resources": SLICE,
+                               "tp_timeout_s": TP_TIMEOUT_S,
                                "num_kv_blocks": 64, "max_num_batched_tokens": 256}, **stage)}
 
 
@@ -165,9 +169,13 @@ def test_the_profiler_writes_a_trace_per_rank(served, prompts, tmp_path):
         assert any(str(e.get("name", "")).startswith("aten::") for e in events), t.path  # the rank's own ops
 
 
-@pytest.mark.parametrize("victim, rank", [("colocated-0", 1), ("colocated-1", 0)], ids=["rank1", "rank0"])
+@pytest.mark.parametrize("victim, rank, sig", [("colocated-0", 1, signal.SIGKILL), ("colocated-1", 0, signal.SIGKILL),
+                                              ("colocated-0", 1, signal.SIGSTOP)],
+                         ids=["rank1-sigkill", "rank0-sigkill", "rank1-sigstop"])
 def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(served, prompts, reference,
-                                                                           victim, rank):
+                                                                           victim, rank, sig):
+    """SIGKILL: the replica goes at once. SIGSTOP: rank 0's all-reduce gives up after tp_timeout_s
+    (TP_TIMEOUT_S here), tears the group down (the stopped rank is killed) and the replica goes."""
     groups = len(placement_groups())
     old = rank_pids(served, victim)
     migrated = metric(served, "kvrelay_request_migrations_total")
@@ -190,7 +198,7 @@ def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(serv
         assert time.monotonic() < deadline, "the streams did not start on the victim"
         time.sleep(0.02)
     t_fault = time.monotonic()
-    os.kill(old[rank], signal.SIGKILL)  # rank 0 is the stage actor; rank 1 a rank actor
+    os.kill(old[rank], sig)  # rank 0 is the stage actor; rank 1 a rank actor
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a request hung"
@@ -207,7 +215,9 @@ def test_a_rank_killed_mid_stream_takes_its_replica_down_and_it_is_replaced(serv
             break
         assert time.monotonic() < deadline, f"{victim} is not replaced: {st}"
         time.sleep(0.2)
-    if rank == 1:  # rank 0 saw it go and took the replica down, saying which
+    if sig == signal.SIGSTOP:
+        assert f"(timeout {TP_TIMEOUT_S:g} s) for a peer" in st.last_error, st.last_error
+    elif rank == 1:  # rank 0 saw it go and took the replica down, saying which
         assert f"rank 1 (pid {old[1]}) is gone" in st.last_error, st.last_error
     new = rank_pids(served, victim)
     served_pids.extend(new)
