@@ -21,7 +21,8 @@ from cluster.frontends import Frontends, serve_frontends
 from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
-from cluster.spec import ClusterConfig, Spec, StageConfig, check_tp_fits_model, split_spec
+from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
+from cluster.spec_tp import check_tp_fits_model
 from cluster.types import Stage
 
 log = logging.getLogger(__name__)

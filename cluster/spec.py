@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.spec_errors import SpecError, format_errors
+from cluster.spec_tp import check_tp_fits_model, disaggregated_tp_problems
 from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
@@ -402,7 +403,7 @@ class Spec(_Strict):
             if name in self.model_fields_set:
                 problems.append(f"{name}: section is not used in mode {self.mode!r}; remove it")
         if self.mode == "disaggregated":
-            problems += _disaggregated_tp(self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size)
+            problems += disaggregated_tp_problems(self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size)
         if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
             problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
                             f"so KV blocks transfer whole, got {self.decode.block_size}")
@@ -435,34 +436,6 @@ class Spec(_Strict):
             return cls.model_validate({} if data is None else data)
         except SpecError as e:
             raise SpecError(e.problems, source) from None
-
-
-def check_tp_fits_model(tp_sizes: dict[Stage, int], model_config) -> None:
-    """Each stage's tensor_parallel_size splits the model's heads and MLP (``model_config``: an
-    ``engine.config.ModelConfig``). Raises SpecError naming ``<stage>.tensor_parallel_size``."""
-    from engine.config import ConfigError
-    from engine.parallel.sharding import check_tensor_parallel
-
-    problems = []
-    for stage, tp in tp_sizes.items():
-        try:
-            check_tensor_parallel(model_config, tp)
-        except ConfigError as e:
-            problems.append(f"{stage.value}.{e}")
-    if problems:
-        raise SpecError(problems)
-
-
-def _disaggregated_tp(prefill: int, decode: int) -> list[str]:
-    """Tensor parallelism on a KV-moving stage needs the per-rank transfer, not in yet."""
-    if prefill != decode:
-        return [f"decode.tensor_parallel_size: {decode} differs from prefill.tensor_parallel_size ({prefill}): "
-                "heterogeneous tensor parallelism needs the per-rank KV transfer (each decode rank receives "
-                "its heads from the prefill ranks that hold them), which is not in yet"]
-    if prefill > 1:
-        return [f"prefill.tensor_parallel_size: {prefill} in mode disaggregated needs the per-rank KV transfer "
-                "(every rank's heads moved), which is not in yet; use mode: colocated for tensor parallelism"]
-    return []
 
 
 def load_spec(path: str | os.PathLike) -> Spec:
