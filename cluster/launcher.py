@@ -58,18 +58,17 @@ class Cluster:
     def start_actors(self, ready_timeout_s: float = 300.0) -> None:
         import ray
 
-        from engine.weights import resolve_model
+        from engine.weights import read_config, resolve_model
 
         cfg = self.config
+        # Convert a GGUF once, here, so replicas don't race to do it; a TP that does not split the
+        # model is refused before Ray starts.
+        self.model_dir = str(resolve_model(cfg.model))
+        check_tp_fits_model({st: sc.tensor_parallel_size for st, sc in cfg.stages.items()},
+                            read_config(self.model_dir))
         if not ray.is_initialized():
             init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
             self._started_ray = True
-        # Convert a GGUF once, here, so replicas don't race to do it.
-        self.model_dir = str(resolve_model(cfg.model))
-        from engine.weights import read_config
-
-        check_tp_fits_model({st: sc.tensor_parallel_size for st, sc in cfg.stages.items()},
-                            read_config(self.model_dir))
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
