@@ -127,6 +127,8 @@ def _validate(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
         if args.check_secrets:
             split_spec(spec)
+        if any(s.tensor_parallel_size > 1 for s in spec.stages().values()):
+            _check_model(spec)
     except SpecError as e:
         print(f"{args.spec}: invalid", file=sys.stderr)
         for problem in e.problems:
@@ -135,6 +137,20 @@ def _validate(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{s.value} x{st.replicas}" for s, st in spec.stages().items())
     print(f"{args.spec}: OK ({spec.mode}: {stages}; transfer {spec.transfer.backend}; router {spec.router.policy})")
     return 0
+
+
+def _check_model(spec) -> None:
+    """The spec against its model's config (tensor_parallel_size must split the heads), where
+    the model is at hand here; a model this host cannot read is left to `serve`."""
+    from engine.weights import read_config, resolve_model
+
+    try:
+        model_config = read_config(resolve_model(spec.model))
+    except Exception as e:  # noqa: BLE001 - not a model here: validated where it is served
+        print(f"note: model {spec.model!r} not read here ({type(e).__name__}); tensor_parallel_size "
+              "is checked against it at serve", file=sys.stderr)
+        return
+    spec.check_model(model_config)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -229,17 +245,19 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(out, default=lambda o: getattr(o, "value", str(o)), indent=2))
         return 0
     print(f"model {status.model_name} ({status.mode}), {status.num_waiting} waiting")
-    print(f"{'replica':<16} {'stage':<10} {'alive':<6} {'state':<10} {'running':>7} {'queued tok':>10} "
+    print(f"{'replica':<16} {'stage':<10} {'tp':>3} {'alive':<6} {'state':<10} {'running':>7} {'queued tok':>10} "
           f"{'in flight':>9} {'KV used':>8} {'restarts':>8}")
     for r in status.replicas:
         if not r.is_alive:
             state = "down" if r.state == "serving" else r.state  # the router took it out; no watcher said why
-            print(f"{r.replica_id:<16} {r.stage.value:<10} {'NO':<6} {state:<10} {'-':>7} {'-':>10} {'-':>9} "
+            print(f"{r.replica_id:<16} {r.stage.value:<10} {r.tensor_parallel_size:>3} {'NO':<6} {state:<10} {'-':>7} {'-':>10} {'-':>9} "
                   f"{'-':>8} {r.num_restarts:>8}" + (f"   last error: {r.last_error}" if r.last_error else ""))
             continue
         kv = f"{r.kv_usage:.0%}" if r.num_total_blocks else "-"
-        print(f"{r.replica_id:<16} {r.stage.value:<10} {'yes':<6} {r.state:<10} {r.num_running_seqs:>7} "
-              f"{r.num_queued_prefill_tokens:>10} {r.num_in_flight:>9} {kv:>8} {r.num_restarts:>8}")
+        ranks = f"   ranks (pid): {' '.join(map(str, r.rank_pids))}" if r.tensor_parallel_size > 1 else ""
+        print(f"{r.replica_id:<16} {r.stage.value:<10} {r.tensor_parallel_size:>3} {'yes':<6} {r.state:<10} "
+              f"{r.num_running_seqs:>7} {r.num_queued_prefill_tokens:>10} {r.num_in_flight:>9} {kv:>8} "
+              f"{r.num_restarts:>8}" + ranks)
     return 0
 
 

@@ -22,6 +22,7 @@ from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
 from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
+from cluster.spec_tp import check_tp_fits_model
 from cluster.types import Stage
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.actors: dict[str, tuple[Stage, object]] = {}
+        self.placement_groups: dict[str, object] = {}  # replica id -> its placement group (tensor-parallel ones)
         self.backend: RayBackend | None = None
         self.frontends: Frontends | None = None
         self._started_ray = False
@@ -58,20 +60,23 @@ class Cluster:
     def start_actors(self, ready_timeout_s: float = 300.0) -> None:
         import ray
 
-        from engine.weights import resolve_model
+        from engine.weights import read_config, resolve_model
 
         cfg = self.config
-        if not ray.is_initialized():
-            address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-            self.progress(f"joining the Ray cluster at {address}" if address else "starting a local Ray instance")
-            init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
-            self._started_ray = True
-        # Convert a GGUF once, here, so replicas don't race to do it.
+        # Convert a GGUF once, here, so replicas don't race to do it; a TP that does not split the
+        # model is refused before Ray starts.
         t0 = time.monotonic()
         self.progress(f"preparing the model {cfg.model or 'SmolLM2-135M-Instruct'} "
                       "(a GGUF is converted once, then cached)")
         self.model_dir = str(resolve_model(cfg.model))
         self.progress(f"model ready in {time.monotonic() - t0:.1f}s: {self.model_dir}")
+        check_tp_fits_model({st: sc.tensor_parallel_size for st, sc in cfg.stages.items()},
+                            read_config(self.model_dir))
+        if not ray.is_initialized():
+            address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+            self.progress(f"joining the Ray cluster at {address}" if address else "starting a local Ray instance")
+            init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
+            self._started_ray = True
         transfer = cfg.transfer
         if transfer.sender.secret is None:
             transfer = transfer.with_secret(secrets.token_hex(16))
@@ -97,7 +102,9 @@ class Cluster:
             self.progress(f"  {refs[ready[0]]} loaded ({time.monotonic() - t0:.1f}s; {len(pending)} to go)")
 
     def _spawn(self, rid: str, stage: Stage, restart: int = 0):
-        """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first)."""
+        """A new actor for replica ``rid`` (its ``restart``-th replacement; 0: the first). A
+        tensor-parallel replica first gets its placement group (`cluster.tp_ranks`): the stage
+        actor is rank 0 in bundle 0 and starts the other ranks in the others."""
         import ray
 
         sc = self.config.stages[stage]
@@ -105,8 +112,24 @@ class Cluster:
         opts = dict(sc.ray_options, max_concurrency=ACTOR_MAX_CONCURRENCY, name=name, get_if_exists=False,
                     lifetime=None)
         threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
+        kwargs = {}
+        if sc.tensor_parallel_size > 1:
+            from cluster.tp_ranks import RayRankLauncher, in_bundle, place_replica
+
+            pg = place_replica(name, stage, sc.tensor_parallel_size, sc.ray_options, sc.placement_strategy,
+                               sc.placement_timeout_s)
+            self.placement_groups[rid] = pg
+            opts["scheduling_strategy"] = in_bundle(pg, 0)
+            kwargs["ranks"] = RayRankLauncher(pg, name, dict(sc.ray_options), threads)
         return ray.remote(_stage_class(stage)).options(**opts).remote(
-            rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads)
+            rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads, **kwargs)
+
+    def _remove_group(self, rid: str) -> None:
+        pg = self.placement_groups.pop(rid, None)
+        if pg is not None:
+            from cluster.tp_ranks import remove_replica_group
+
+            remove_replica_group(pg)
 
     def respawn(self, rid: str, old, restart: int):
         """Replace replica ``rid``: the old actor is killed (a stalled one must not come back), a new one
@@ -117,6 +140,7 @@ class Cluster:
             ray.kill(old, no_restart=True)
         except Exception:
             pass
+        self._remove_group(rid)  # every rank of a tensor-parallel replica goes with it
         stage = self.actors[rid][0]
         return self._spawn(rid, stage, restart)
 
@@ -136,6 +160,8 @@ class Cluster:
             except Exception:
                 pass
             ray.kill(actor)
+        for rid in list(self.placement_groups):
+            self._remove_group(rid)
         self.actors.clear()
         if self.directory is not None:
             ray.kill(self.directory)

@@ -70,6 +70,7 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
     ("replica_kv_blocks_total", "KV cache blocks of the replica", lambda r: r.num_total_blocks),
     ("replica_restarts", "Times the replica was replaced after it died, stalled or its loop failed",
      lambda r: r.num_restarts),
+    ("replica_tensor_parallel_size", "Ranks of the replica (one process each)", lambda r: r.tensor_parallel_size),
 )
 
 
@@ -92,6 +93,13 @@ class _StatusCollector:
                 if r.is_alive or name == "replica_up":  # a dead replica's last load is not its load now
                     family.add_metric([r.stage.value, r.replica_id], float(value(r)))
             yield family
+        ranks = GaugeMetricFamily("kvrelay_replica_rank_pid", "Process id of each rank of a live replica",
+                                  labels=["stage", "replica", "rank"])
+        for r in status.replicas:
+            if r.is_alive:
+                for rank, pid in enumerate(r.rank_pids):
+                    ranks.add_metric([r.stage.value, r.replica_id, str(rank)], float(pid))
+        yield ranks
         yield GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
                                 value=status.num_waiting)
 

@@ -292,10 +292,11 @@ class RayBackend:
             paths = await asyncio.gather(*(h.stop_profile.remote() for _, h in ok), return_exceptions=True)
             hosts = await asyncio.gather(*(h.host.remote() for _, h in ok), return_exceptions=True)
         traces = []
-        for (rid, _), path, host in zip(ok, paths, hosts):
-            if isinstance(path, BaseException):
-                raise RuntimeError(f"profile could not stop on {rid}: {path}")
-            traces.append(ProfileTrace(rid, host if isinstance(host, str) else "?", path))
+        for (rid, _), rank_paths, host in zip(ok, paths, hosts):
+            if isinstance(rank_paths, BaseException):
+                raise RuntimeError(f"profile could not stop on {rid}: {rank_paths}")
+            # a trace per rank (a tensor-parallel replica's are named <replica>-rank<r>-...)
+            traces += [ProfileTrace(rid, host if isinstance(host, str) else "?", p) for p in rank_paths]
         return traces
 
     async def abort(self, request_id: str) -> None:

@@ -63,6 +63,7 @@ class _Health:
     num_restarts: int = 0
     last_error: str = ""
     silent_since: float | None = None  # monotonic time of the first unanswered poll
+    rank_pids: tuple[int, ...] = ()  # the replica's ranks as of its last (re)connect, rank 0 first
 
 
 # respawn(replica_id, old_handle, restart_number) -> a new actor handle (the old one killed)
@@ -119,10 +120,11 @@ class Replicas:
     def status(self, s: ReplicaStatus) -> ReplicaStatus:
         """``s`` with the replica's health; a replica not serving reports no load (its last is stale)."""
         h = self._health[s.replica_id]
+        ranks = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids)
         if h.state is ReplicaState.SERVING:
-            return replace(s, num_restarts=h.num_restarts, last_error=h.last_error)
+            return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
         return ReplicaStatus(s.replica_id, s.stage, False, num_in_flight=s.num_in_flight, state=h.state.value,
-                             num_restarts=h.num_restarts, last_error=h.last_error)
+                             num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
 
     def lost_channel(self, rid: str) -> None:
         """The replica's request channel broke: out of the router until it is back."""
@@ -160,7 +162,7 @@ class Replicas:
             return
         h.silent_since = None
         if not load.is_alive:
-            self._replace(rid, "its stage loop died")
+            self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return
         hashes = frozenset()
         if self.router.config.policy == "prefix_aware" and h.stage is not Stage.DECODE:
@@ -188,8 +190,10 @@ class Replicas:
             self._reconnecting.discard(rid)
 
     async def _connect(self, rid: str) -> None:
-        await _awaitable(self.handle(rid).connect_channel.remote(self.channels.address, self.channels.secret))
+        handle = self.handle(rid)
+        await _awaitable(handle.connect_channel.remote(self.channels.address, self.channels.secret))
         await self.channels.wait_connected([rid], self.connect_timeout_s)
+        self._health[rid].rank_pids = tuple(await _awaitable(handle.rank_pids.remote()))
 
     def _take_out(self, rid: str, why: str, state: ReplicaState | None = None) -> None:
         h = self._health[rid]

@@ -24,11 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.spec_errors import SpecError, format_errors
+from cluster.spec_tp import check_tp_fits_model, disaggregated_tp_problems
 from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
@@ -83,8 +84,15 @@ class StageSpec(_Strict):
     """
 
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    # Tensor parallelism: a replica of N ranks is N Ray actors in one placement group, one bundle
+    # of `resources` per rank (cluster.tp_ranks). The ranks share memory, so they need one host:
+    # STRICT_PACK guarantees it; PACK is checked once placed; the spreading strategies are refused.
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
-    resources: Resources = Field(default_factory=Resources)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    placement_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # `serve` fails if not placed by then
+    tp_backend: Literal["shm", "gloo"] = "shm"  # the all-reduce between the ranks (engine.parallel)
+    tp_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # a collective that waits longer fails the replica
+    resources: Resources = Field(default_factory=Resources)  # of each rank
     max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS)
     max_num_batched_tokens: int = Field(2048, ge=1, le=MAX_TOKENS)
     block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE)
@@ -97,11 +105,13 @@ class StageSpec(_Strict):
     # fails at start rather than under load, and no request pays the first write's page faults
     kv_cache_prefault: bool = True
 
-    @field_validator("tensor_parallel_size")
+    @field_validator("placement_strategy")
     @classmethod
-    def _tp_supported(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"tensor parallelism is not supported yet (got {v}); use 1 and more replicas")
+    def _one_host(cls, v: str, info: ValidationInfo) -> str:
+        tp = info.data.get("tensor_parallel_size", 1)
+        if tp > 1 and v in ("SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"{v} may put the {tp} ranks on different hosts, and they share memory "
+                             "(one host): use STRICT_PACK or PACK")
         return v
 
     @field_validator("block_size")
@@ -118,6 +128,10 @@ class StageSpec(_Strict):
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be >= block_size ({self.block_size})")
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.resources.num_gpus > 0:
+            raise ValueError(f"tensor_parallel_size {tp} runs on CPU only so far (resources.num_gpus "
+                             f"{self.resources.num_gpus:g})")
         return self
 
     def engine_config(self, dtype: str, seed: int = 0) -> EngineConfig:
@@ -135,6 +149,9 @@ class StageSpec(_Strict):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             kv_cache_prefault=self.kv_cache_prefault,
+            tensor_parallel_size=self.tensor_parallel_size,
+            tp_backend=self.tp_backend,
+            tp_timeout_s=self.tp_timeout_s,
             seed=seed,
             **kwargs,
         )
@@ -403,6 +420,8 @@ class Spec(_Strict):
         for name in unused:
             if name in self.model_fields_set:
                 problems.append(f"{name}: section is not used in mode {self.mode!r}; remove it")
+        if self.mode == "disaggregated":
+            problems += disaggregated_tp_problems(self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size)
         if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
             problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
                             f"so KV blocks transfer whole, got {self.decode.block_size}")
@@ -410,6 +429,10 @@ class Spec(_Strict):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def check_model(self, model_config) -> None:
+        """The checks that need the model's config (`check_tp_fits_model`)."""
+        check_tp_fits_model({stage: s.tensor_parallel_size for stage, s in self.stages().items()}, model_config)
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> "Spec":
@@ -461,8 +484,10 @@ class StageConfig:
     stage: Stage
     num_replicas: int
     tensor_parallel_size: int
-    ray_options: dict[str, Any]  # num_cpus / num_gpus / resources of each worker
+    ray_options: dict[str, Any]  # num_cpus / num_gpus / resources of each worker (each rank)
     engine: EngineConfig
+    placement_strategy: str = "STRICT_PACK"  # of a tensor-parallel replica's placement group
+    placement_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -556,7 +581,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         if s.resources.custom:
             ray_options["resources"] = dict(s.resources.custom)
         stages[stage] = StageConfig(stage, s.replicas, s.tensor_parallel_size, ray_options,
-                                    s.engine_config(spec.dtype))
+                                    s.engine_config(spec.dtype), s.placement_strategy, s.placement_timeout_s)
     r = spec.router
     capacity = {stage: r.max_inflight_per_replica or s.max_num_seqs for stage, s in spec.stages().items()}
     router = RouterConfig(

@@ -67,7 +67,8 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class ProfileTrace:
-    """A Chrome trace one replica wrote for a profile window, on its own host."""
+    """A Chrome trace one replica (one rank of it: a tensor-parallel replica writes one per rank,
+    `<replica>-rank<r>-...`) wrote for a profile window, on its own host."""
 
     replica_id: str
     host: str
@@ -87,6 +88,8 @@ class ReplicaStatus:
     state: str = "serving"  # serving | stalled | restarting | failed (cluster.replicas.ReplicaState)
     num_restarts: int = 0  # times the replica was replaced
     last_error: str = ""  # why it last left the router
+    tensor_parallel_size: int = 1  # ranks of the replica (a tensor-parallel replica is one unit)
+    rank_pids: tuple[int, ...] = ()  # each rank's process id on the replica's host, rank 0 first
 
     @property
     def kv_usage(self) -> float:

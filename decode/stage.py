@@ -35,22 +35,27 @@ from engine.kv_cache import model_fingerprint
 from engine.profiling import RECEIVER_POLL, phase
 from engine.sequence import Sequence
 from engine.serving.frames import Reserve, Submit, TicketReady
-from engine.serving.stage_loop import StageLoop, load_engine
+from engine.serving.stage_loop import StageLoop, check_transfer_ranks, load_engine
 from engine.serving.types import LoadReport
 from kvtransfer.config import ReceiverConfig
 
 
 class DecodeStage(StageLoop):
     def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig,
-                 receiver: ReceiverConfig | None = None, num_threads: int | None = None):
-        """``receiver``: None for a colocated replica, else the KV receiver's config."""
-        core, tokenizer = load_engine(model_dir, engine_config, num_threads)
+                 receiver: ReceiverConfig | None = None, num_threads: int | None = None, ranks=None):
+        """``receiver``: None for a colocated replica, else the KV receiver's config.
+        ``ranks``: how the other tensor-parallel ranks start (`load_engine`)."""
+        if receiver is not None:
+            check_transfer_ranks(engine_config, "decode")
+        core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.receiver = None
         self.lease_s = 30.0
         if receiver is not None:
             from kvtransfer.receiver import KVReceiver
 
             self.lease_s = receiver.lease_s
+            # (tensor-parallel: refused above until the per-rank transfer; then every rank's caches, as
+            # for the sender)
             self.receiver = KVReceiver(core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
                                        receiver)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV

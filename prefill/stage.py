@@ -40,7 +40,7 @@ from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving.frames import Attach, FirstToken, Prefill, PrefillDone
-from engine.serving.stage_loop import StageLoop, load_engine
+from engine.serving.stage_loop import StageLoop, check_transfer_ranks, load_engine
 from engine.serving.types import GenerateDelta, LoadReport, TokenLogprob
 from kvtransfer.config import SenderConfig
 
@@ -58,7 +58,7 @@ class _Job:
 
 class PrefillStage(StageLoop):
     def __init__(self, replica_id: str, model_dir: str, engine_config: EngineConfig, sender: SenderConfig,
-                 num_threads: int | None = None, late_ticket_overlap: bool | None = None):
+                 num_threads: int | None = None, late_ticket_overlap: bool | None = None, ranks=None):
         """``sender``: the KV sender's config; its lease_s also paces the renewals of queued requests' leases.
 
         ``late_ticket_overlap``: whether a ticket that comes while the
@@ -67,11 +67,16 @@ class PrefillStage(StageLoop):
         the transfer's copies and sends compete with the forward pass for the
         same cores and the GIL, and the first token does not wait for the
         transfer anyway (BENCHMARKS.md, "Measured design choices").
+
+        ``ranks``: how the other tensor-parallel ranks start (`load_engine`).
         """
         from kvtransfer.sender import KVSender
 
-        core, tokenizer = load_engine(model_dir, engine_config, num_threads)
+        check_transfer_ranks(engine_config, "prefill")
+        core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.lease_s = sender.lease_s
+        # (tensor-parallel: refused above until the per-rank transfer; then the sender takes every rank's
+        # caches, core.tp_group's rank -> layer -> tensor, and their layout, instead of rank 0's alone)
         self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under

@@ -1,6 +1,6 @@
 """Tensor parallelism inside one engine: the sharding plan (sharding.py), the collectives
 (comm.py, shm.py), the per-step message to the other ranks (step.py), the worker
-processes (worker.py, group.py) and rank 0's runner (runner.py).
+processes (worker.py, group.py, launch.py) and rank 0's runner (runner.py).
 
 `start_engine` is the entry point: an EngineCore whose model is rank 0's shard, with
 ranks 1..N-1 in worker processes of their own.
@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def start_engine(model_dir: str | Path, config):
+def start_engine(model_dir: str | Path, config, launcher=None):
     """EngineCore for `config` (tensor_parallel_size > 1) over the checkpoint folder
-    `model_dir`: ranks 1..N-1 are spawned and load their shards while rank 0 loads its own."""
+    `model_dir`: ranks 1..N-1 are started by `launcher` (engine.parallel.launch; default:
+    spawned children) and load their shards while rank 0 loads its own."""
     import torch
 
     from engine.core import EngineCore
@@ -23,7 +24,7 @@ def start_engine(model_dir: str | Path, config):
     config.validate()
     model_config = read_config(model_dir)
     check_tensor_parallel(model_config, config.tensor_parallel_size)
-    group = TPGroup(str(model_dir), config, model_config)
+    group = TPGroup(str(model_dir), config, model_config, launcher)
     try:
         _, weights = load_shard(model_dir, ShardLayout.for_rank(model_config, 0, config.tensor_parallel_size),
                                 torch.float32)

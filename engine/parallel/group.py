@@ -1,11 +1,14 @@
 """Rank 0's handle on a tensor-parallel group on one host: the worker processes, the
 shared segment, the collectives, and their teardown.
 
-    group = TPGroup(model_dir, config, model_config)   # creates the segment, spawns ranks 1..N-1
+    group = TPGroup(model_dir, config, model_config)   # creates the segment, starts ranks 1..N-1
     ... rank 0 builds its own shard of the model (EngineCore) ...
     group.finish_start(num_blocks)                     # every rank allocates its cache; all ready
     group.send_step(payload)                           # once per step (engine.parallel.step)
     group.close()                                      # STOP, join; or abort and kill
+
+Ranks 1..N-1 are started by a launcher (engine.parallel.launch): spawned
+children by default, the replica's Ray actors in the cluster.
 
 Teardown is also registered with `weakref.finalize`, so garbage collection
 and interpreter exit close the group too; a failed step (an exception, a
@@ -17,7 +20,6 @@ milliseconds and exits.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -25,10 +27,12 @@ import weakref
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import CollectiveError, GlooCollectives
+from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
-from engine.parallel.worker import Attached, Failed, RankMemory, Ready, WorkerSpec, init_message, worker_main
+from engine.parallel.worker import (Attached, Failed, RankMemory, Ready, Traced, WorkerSpec, init_message,
+                                   profile_message)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +125,8 @@ class _State:
 
 
 class TPGroup:
-    def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig,
+                 launcher: RankLauncher | None = None):
         tp = config.tensor_parallel_size
         self.size = tp
         self.layout = segment_layout(config, model_config)
@@ -129,18 +134,14 @@ class TPGroup:
         self._finalizer = weakref.finalize(self, state.teardown)
         self.rank_memory: dict[int, RankMemory] = {}  # ranks 1.. as they reported when ready
         try:
-            ctx = mp.get_context("spawn")
+            launcher = launcher or SpawnLauncher()
             gloo = f"tcp://127.0.0.1:{_free_port()}" if config.tp_backend == "gloo" else None
-            threads = threads_per_rank(tp)
-            for rank in range(1, tp):
-                parent, child = ctx.Pipe()
-                spec = WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
-                                  is_oversubscribed(tp))
-                p = ctx.Process(target=worker_main, args=(spec, child), name=f"kvrelay-tp-rank{rank}", daemon=True)
-                p.start()
-                child.close()
+            threads = launcher.num_threads or threads_per_rank(tp)
+            specs = [WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
+                                is_oversubscribed(tp)) for rank in range(1, tp)]
+            for p, conn in launcher.start(specs, config.tp_timeout_s + 60.0):
                 state.procs.append(p)
-                state.conns.append(parent)
+                state.conns.append(conn)
             procs = state.procs  # (not self: the finalizer must not keep the group alive)
             state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
                                  peers_alive=lambda: all(p.exitcode is None for p in procs),
@@ -158,9 +159,11 @@ class TPGroup:
             self.close()
             raise
 
-    def _await(self, what: type, timeout_s: float) -> None:
-        """Each worker's next message must be a `what`; a worker's failure is raised here."""
+    def _await(self, what: type, timeout_s: float) -> list:
+        """Each worker's next message must be a `what` (returned, in rank order); a worker's
+        failure is raised here."""
         name = what.__name__.lower()
+        got = []
         deadline = time.monotonic() + timeout_s
         for rank, (p, conn) in enumerate(zip(self.state.procs, self.state.conns), start=1):
             while not conn.poll(0.05):
@@ -181,12 +184,28 @@ class TPGroup:
                 raise CollectiveError(f"tensor-parallel rank {rank}: expected {name}, got {type(msg).__name__}")
             if isinstance(msg, Ready):
                 self.rank_memory[rank] = msg.memory
+            got.append(msg)
+        return got
 
     def finish_start(self, num_blocks: int) -> None:
         """Rank 0's shard and cache are built: the others size their caches alike; wait for all."""
         try:
             self.state.shm.send(init_message(num_blocks))
             self._await(Ready, START_TIMEOUT_S)
+        except BaseException:
+            self.fail()
+            raise
+
+    def start_profile(self, out_dir: str, name: str, with_stack: bool = False) -> None:
+        """Open a profiler window on every other rank (call between steps, from the thread that
+        steps); each writes ``<out_dir>/<name>-rank<r>-<timestamp>.json``."""
+        self.send_step(profile_message(True, out_dir, name, with_stack))
+
+    def stop_profile(self, timeout_s: float = 300.0) -> list[str]:
+        """Close the windows; the other ranks' trace paths, rank 1 first (each exports its own)."""
+        self.send_step(profile_message(False))
+        try:
+            return [m.path for m in self._await(Traced, timeout_s)]
         except BaseException:
             self.fail()
             raise
@@ -199,6 +218,22 @@ class TPGroup:
         """Raise where the group can no longer run a step."""
         if self.state.is_closed or not self.state.is_healthy:
             raise CollectiveError("the tensor-parallel group is down (a rank failed or it was closed)")
+
+    def check_ranks(self) -> None:
+        """Raise (and tear the group down) where a rank's process is gone, even between steps:
+        a serving replica calls it each round, so a dead rank takes the replica down at once."""
+        self.check()
+        gone = self.gone_ranks()
+        if gone is not None:
+            cause = self.worker_error()
+            self.fail()
+            raise CollectiveError(f"tensor-parallel {gone}" + (f" ({cause})" if cause else ""))
+
+    def gone_ranks(self) -> str | None:
+        """Which ranks' processes are gone, if any: ``rank 1 (pid 123) is gone``."""
+        gone = [f"rank {rank} (pid {p.pid})" for rank, p in enumerate(self.state.procs, start=1)
+                if p.exitcode is not None]
+        return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else None
 
     def worker_error(self) -> str | None:
         """The first error a worker reported, if any (after a failed collective)."""

@@ -23,7 +23,7 @@ class TPRunner(ModelRunner):
             self.group.send_step(self.encoder.encode(batch))
             return super().execute(batch, layer_hook)
         except BaseException as e:
-            cause = self.group.worker_error()
+            cause = self.group.worker_error() or self.group.gone_ranks()
             self.group.fail()
             if cause is not None:
                 raise CollectiveError(f"tensor-parallel step failed: {cause}") from e

@@ -1,4 +1,5 @@
-"""A tensor-parallel rank other than 0: a spawned process that runs its shard of every step.
+"""A tensor-parallel rank other than 0: a process (spawned by rank 0, or a Ray actor of the
+replica; engine.parallel.launch) that runs its shard of every step.
 
 Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 
@@ -9,7 +10,9 @@ Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 4. run: for each step message, rebuild the batch from the mirrored block
    tables, run the forward (joining every all-reduce) and, where the batch
    samples, hand its vocabulary slice of the logits to rank 0;
-5. stop: on STOP, on an abort, or when rank 0's process is gone.
+   (between steps, a profile message opens or closes this rank's profiler window);
+5. stop: on STOP, on an abort, or when rank 0's process is gone (its parent, or
+   ``leader_pid`` watched through a pidfd).
 
 Errors are sent to rank 0 over the pipe, and the group is aborted so that no
 rank waits for this one. SIGINT is ignored: Ctrl-C reaches rank 0, which
@@ -17,6 +20,7 @@ tears the group down.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import traceback
@@ -29,6 +33,7 @@ from engine.config import EngineConfig
 from engine.parallel.shm import SegmentLayout
 
 INIT = 3
+PROFILE = 4  # [PROFILE, is_start, with_stack, n, 0] + n bytes of JSON {"out_dir", "name"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class WorkerSpec:
     num_threads: int
     gloo_init_method: str | None  # set with tp_backend "gloo"
     oversubscribed: bool  # more ranks than cores
+    leader_pid: int | None = None  # rank 0's process where it is not this one's parent (a Ray actor)
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,8 @@ class RankMemory:
     peak_rss_bytes: int  # VmHWM: peak resident, checkpoint pages read through the file mapping included
 
 
-# What a worker tells rank 0 over its pipe, in order: Attached, then Ready; Failed at any point.
+# What a worker tells rank 0 over its pipe, in order: Attached, then Ready (then a Traced per
+# closed profile window); Failed at any point.
 @dataclass(frozen=True)
 class Attached:
     pass
@@ -63,12 +70,38 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Traced:
+    path: str  # this rank's Chrome trace, after a profile window closed
+
+
+@dataclass(frozen=True)
 class Failed:
     error: str  # the exception and its traceback
 
 
 def init_message(num_blocks: int) -> bytes:
     return np.asarray([INIT, num_blocks, 0, 0, 0], dtype=np.int64).tobytes()
+
+
+def profile_message(is_start: bool, out_dir: str = "", name: str = "", with_stack: bool = False) -> bytes:
+    """Open (``is_start``) or close every other rank's profiler window, between steps; each
+    rank writes ``<out_dir>/<name>-rank<r>-<timestamp>.json`` and reports it (`Traced`)."""
+    body = json.dumps({"out_dir": out_dir, "name": name}).encode()
+    return np.asarray([PROFILE, int(is_start), int(with_stack), len(body), 0], dtype=np.int64).tobytes() + body
+
+
+def _profile(payload: bytes, window, rank: int, conn):
+    """Apply a profile message; returns the open window (or None)."""
+    from engine.profiling import ProfileWindow
+
+    _, is_start, with_stack, n, _ = np.frombuffer(payload[:40], dtype=np.int64).tolist()
+    if is_start:
+        args = json.loads(bytes(payload[40:40 + n]))
+        window = ProfileWindow(args["out_dir"], f"{args['name']}-rank{rank}", bool(with_stack))
+        window.start()
+        return window
+    conn.send(Traced(str(window.stop()) if window is not None else ""))
+    return None
 
 
 def memory_report(model) -> RankMemory:
@@ -97,7 +130,10 @@ def memory_report(model) -> RankMemory:
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread (a Ray actor's call): Ctrl-C does not reach it anyway
+        pass
     parent = os.getppid()
     shm = comm = None
     try:
@@ -113,8 +149,14 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 
         torch.set_num_threads(spec.num_threads)
         config = spec.config
+        if spec.leader_pid is None:
+            peers_alive = lambda: os.getppid() == parent  # noqa: E731
+        else:
+            from engine.parallel.launch import PidWatch
+
+            peers_alive = PidWatch(spec.leader_pid).is_alive
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
-                       peers_alive=lambda: os.getppid() == parent, oversubscribed=spec.oversubscribed)
+                       peers_alive=peers_alive, oversubscribed=spec.oversubscribed)
         conn.send(Attached())
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
@@ -136,9 +178,14 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         runner = ModelRunner(model, kv_caches, config.block_size)
         conn.send(Ready(memory_report(model)))
         decoder = StepDecoder()
+        window = None
         with torch.no_grad():
             while True:
-                rows = decoder.decode(shm.recv())
+                payload = shm.recv()
+                if np.frombuffer(payload[:8], dtype=np.int64)[0] == PROFILE:
+                    window = _profile(payload, window, spec.rank, conn)
+                    continue
+                rows = decoder.decode(payload)
                 if rows is None:
                     break
                 input_ids, positions, meta, sample_rows = runner.prepare(rows)

@@ -73,22 +73,42 @@ def normal_priority() -> None:
                     os.getpriority(os.PRIO_PROCESS, 0))
 
 
-def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | None = None):
-    """EngineCore + tokenizer for a checkpoint folder (already converted)."""
+def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | None = None, ranks=None):
+    """EngineCore + tokenizer for a checkpoint folder (already converted). With
+    tensor_parallel_size > 1 this process is rank 0 and ``ranks`` (an
+    `engine.parallel.launch.RankLauncher`; None: spawned children) starts the others."""
     from engine.tokenizer import Tokenizer, TokenizerError
     from engine.weights import load_checkpoint
 
     normal_priority()  # a replacement loads its model while the other replicas serve: not from niceness 15
     if num_threads:
         torch.set_num_threads(num_threads)
-    model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
-    core = EngineCore(model_config, weights, config)
+    if config.tensor_parallel_size > 1:
+        from engine.parallel import start_engine
+
+        core = start_engine(model_dir, config, ranks)
+    else:
+        model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
+        core = EngineCore(model_config, weights, config)
     try:
         tokenizer = Tokenizer.from_folder(model_dir)
         core.eos_token_ids |= frozenset(tokenizer.eos_token_ids)
     except TokenizerError:
         tokenizer = None
     return core, tokenizer
+
+
+def check_transfer_ranks(config: EngineConfig, side: str) -> None:
+    """Refuse a tensor-parallel replica that moves KV (a prefill replica's sender, a decode
+    replica's receiver): the transfer moves one cache, and every rank holds only its own heads.
+    (Where the per-rank transfer comes in, the sender and receiver take the group's caches,
+    rank -> layer -> tensor, and its layout instead.)"""
+    if config.tensor_parallel_size > 1:
+        from engine.config import ConfigError
+
+        raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size} on a {side} replica needs the "
+                          "per-rank KV transfer (each rank holds only its KV heads), which is not in yet; "
+                          "use mode: colocated for tensor parallelism")
 
 
 class StageLoop:
@@ -155,9 +175,10 @@ class StageLoop:
         Raises if one is already open on this replica."""
         self.call(self._start_profile, out_dir, with_stack)
 
-    def stop_profile(self) -> str:
-        """Close the window; returns the Chrome trace's path on this host,
-        ``<out_dir>/<replica_id>-<timestamp>.json``."""
+    def stop_profile(self) -> list[str]:
+        """Close the window; returns the Chrome trace of each rank on this host, rank 0 first:
+        ``<out_dir>/<replica_id>-<timestamp>.json``, then (tensor-parallel)
+        ``<out_dir>/<replica_id>-rank<r>-<timestamp>.json``."""
         return self.call(self._stop_profile, timeout=300.0)
 
     def host(self) -> str:
@@ -167,8 +188,13 @@ class StageLoop:
     def load(self) -> LoadReport:
         """The latest load snapshot (taken by the loop thread after each round)."""
         if self._fatal is not None:  # a dead loop takes no more snapshots
-            return LoadReport(self.replica_id, is_alive=False)
+            return LoadReport(self.replica_id, is_alive=False, error=self._fatal)
         return self._load
+
+    def rank_pids(self) -> list[int]:
+        """The process of each tensor-parallel rank, rank 0 (this one) first; [this one] at TP=1."""
+        group = self.core.tp_group
+        return [os.getpid()] + (group.pids if group is not None else [])
 
     def is_fully_free(self) -> bool:
         """Every block back in the pool and no request left here."""
@@ -254,16 +280,24 @@ class StageLoop:
         window = ProfileWindow(out_dir, self.replica_id, with_stack, cuda=self._is_cuda)
         window.start()
         self._profile = window
+        if self.core.tp_group is not None:  # a trace per rank
+            self.core.tp_group.start_profile(out_dir, self.replica_id, with_stack)
 
-    def _stop_profile(self) -> str:
+    def _stop_profile(self) -> list[str]:
         if self._profile is None:
             raise RuntimeError(f"{self.replica_id}: no profile is running")
         window, self._profile = self._profile, None
-        return str(window.stop())
+        paths = [str(window.stop())]
+        if self.core.tp_group is not None:
+            paths += self.core.tp_group.stop_profile()
+        return paths
 
     def _run(self) -> None:
+        group = self.core.tp_group
         try:
             while not self._stopped.is_set():
+                if group is not None:
+                    group.check_ranks()  # a dead rank takes the replica down, busy or idle
                 has_work = self._iterate()
                 self._load = self._snapshot_load()
                 wait = 0 if has_work else (self.busy_wait_s if self._has_pending() else self.idle_wait_s)
@@ -282,6 +316,7 @@ class StageLoop:
             self._on_stop()
             for ch in self._channels:
                 ch.close()
+            self.core.close()  # the other tensor-parallel ranks, if any
 
     def _drain_commands(self, wait: float) -> None:
         try:

@@ -163,3 +163,4 @@ class LoadReport:
     num_total_blocks: int = 0
     num_sending: int = 0  # prefill: transfers in flight
     num_incoming: int = 0  # decode: reservations waiting for their KV
+    error: str = ""  # why the loop died (is_alive False), e.g. a tensor-parallel rank gone

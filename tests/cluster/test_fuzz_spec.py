@@ -31,7 +31,8 @@ scalars = st.none() | st.booleans() | numbers | st.text(max_size=12) | st.sample
 values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
     st.text(max_size=8), kids, max_size=3), max_leaves=8)
 
-STAGE = ["replicas", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
+STAGE = ["replicas", "tensor_parallel_size", "placement_strategy", "placement_timeout_s", "tp_backend",
+         "tp_timeout_s", "max_num_seqs", "max_num_batched_tokens", "block_size",
          "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching", "enforce_eager",
          "kv_cache_prefault"]
 SECTIONS = {
@@ -72,7 +73,7 @@ def _with(spec: dict, options: dict, network: dict, resources: dict) -> dict:
     return spec
 
 
-NOT_NUMBERS = {"backend", "policy", "enable_prefix_caching", "enforce_eager", "kv_cache_prefault", "checksum"}
+NOT_NUMBERS = {"backend", "policy", "placement_strategy", "tp_backend", "enable_prefix_caching", "enforce_eager", "kv_cache_prefault", "checksum"}
 
 
 @st.composite
@@ -104,6 +105,7 @@ def check_split(spec: Spec) -> None:
         return
     for stage in config.stages.values():
         assert stage.num_replicas >= 1 and stage.engine.block_size >= 1
+        assert math.isfinite(stage.placement_timeout_s) and stage.engine.tp_timeout_s > 0
     for seconds in (config.router.queue_timeout_s, config.transfer.receiver.lease_s,
                     config.transfer.sender.deadline_s):
         assert math.isfinite(seconds) and seconds > 0

@@ -38,7 +38,7 @@ def test_profile_window_writes_a_chrome_trace_with_the_phases(stage, tmp_path):
     with pytest.raises(RuntimeError, match="already running"):
         stage.start_profile(str(tmp_path / "traces"))
     deltas = _run_one(stage, "r1")
-    path = stage.stop_profile()
+    (path,) = stage.stop_profile()  # one rank: one trace
     assert deltas[-1].finish_reason == "length"
     assert path.startswith(str(tmp_path / "traces" / "colocated-0-")) and path.endswith(".json")
     trace = json.loads(open(path).read())

@@ -195,7 +195,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage", "state", "restarts", "last_error")
+    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage", "state", "restarts", "last_error", "tensor_parallel_size", "rank_pids")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,8 @@ class ReplicaStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PIDS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     stage: str
     alive: bool
@@ -220,7 +222,9 @@ class ReplicaStatus(_message.Message):
     state: str
     restarts: int
     last_error: str
-    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    rank_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "mode", "replicas", "waiting")
