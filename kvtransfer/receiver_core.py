@@ -182,7 +182,7 @@ class ReceiverCore:
             if bad:
                 inbound.fail(f"bad chunk: {bad}")
                 return Ack(False, error=bad)
-            src = _as_uint8(data).view(num_layers, num_blocks, -1, num_heads, self.head_bytes)
+            src = _as_uint8(data).view(num_layers, num_blocks, 2 * self.layout.block_size, num_heads, -1)
             block_ids = inbound.ticket.block_ids[first_block:first_block + num_blocks]
             heads = range(head_start, head_start + num_heads)
             for i in range(num_layers):

@@ -45,6 +45,7 @@ class PlanUnit:
 @dataclass(frozen=True)
 class TransferPlan:
     num_layers: int
+    num_kv_heads: int  # the model's
     src_heads: tuple[range, ...]  # per prefill rank: the global KV heads it holds
     dst_heads: tuple[range, ...]  # per decode rank
     units: tuple[PlanUnit, ...]
@@ -80,13 +81,16 @@ def plan_transfer(num_layers: int, src_heads: Sequence[range], dst_heads: Sequen
                                       Placement(src, start - src_heads[src].start),
                                       tuple(Placement(d, start - dst_heads[d].start) for d in dsts)))
             key_prev, start = key, head
-    return TransferPlan(num_layers, src_heads, dst_heads, tuple(units))
+    return TransferPlan(num_layers, num_heads, src_heads, dst_heads, tuple(units))
 
 
 def check_plan(plan: TransferPlan) -> None:
     """Raise PlanError unless every (layer, KV head) of every decode rank is written exactly once, each unit
     reading heads its prefill rank holds and writing them where its decode rank holds them."""
     L = plan.num_layers
+    for head in range(plan.num_kv_heads):
+        if not _holder(plan.dst_heads, head):
+            raise PlanError(f"kv-head {head} is held by no decode rank")
     for u in plan.units:
         if not u.heads or u.heads.step != 1:
             raise PlanError(f"plan unit with kv-heads {_span(u.heads)}: not a run of heads")

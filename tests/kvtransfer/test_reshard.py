@@ -122,6 +122,12 @@ def test_a_unit_reading_heads_its_rank_does_not_hold_is_refused():
         check_plan(corrupt(plan, [plan.units[0], dataclasses.replace(u, layers=range(0, 6))]))
 
 
+def test_a_decode_layout_that_drops_a_head_is_refused():
+    holey = KVLayout(NUM_LAYERS, 2, 8, 16, "float32", 2, rank_heads=(range(0, 1), range(0, 1)))
+    with pytest.raises(PlanError, match="kv-head 1 is held by no decode rank"):
+        layout(2, 1).plan_to(holey)
+
+
 def test_an_advertised_layout_with_a_gap_is_refused_by_its_plan():
     """A prefill replica whose ranks say they hold heads [0, 1) and [0, 1): head 1 has no source."""
     bad = KVLayout(NUM_LAYERS, 2, 8, 16, "float32", 2, rank_heads=(range(0, 1), range(0, 1)))
