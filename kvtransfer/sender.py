@@ -65,6 +65,7 @@ class Outbound:
     is_reported: bool = False
     finished_at: float | None = None
     layers_pushed: set[int] = field(default_factory=set)
+    layers_held: set[int] = field(default_factory=set)  # TP: hooked, not yet known written on every rank
     layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
 
     @property
@@ -122,13 +123,32 @@ class KVSender:
         self._events.put(("start", ob))
 
     def push_layer(self, request_id: str, layer: int) -> None:
-        """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
+        """Queue layer ``layer`` (rank 0's KV of it is written). A no-op once the transfer was reported by poll().
+
+        In a TP group rank 0's hook runs after its attention of ``layer`` and before that layer's all-reduces,
+        so another rank has surely written its KV of a layer only once rank 0 is past them: a layer is sent
+        once the hook of a later layer ran, the last one at ``commit`` (after the forward pass).
+        """
         ob = self._get(request_id)
         if ob is not None:
-            if ob.src_bytes[0][0].is_cuda:  # the layer's kernels may still run: order the send after them
-                ob.layer_ready[layer] = torch.cuda.Event()
-                ob.layer_ready[layer].record()
-            self._events.put(("layer", ob, layer))
+            for ready in self._ready_layers(ob, layer):
+                self._queue_layer(ob, ready)
+
+    def _ready_layers(self, ob: Outbound, layer: int) -> list[int]:
+        if self.layout.tp_size == 1:
+            return [layer]
+        with self._lock:
+            ob.layers_held.add(layer)
+            top = max(ob.layers_held)
+            ready = sorted(held for held in ob.layers_held if held < top)
+            ob.layers_held.difference_update(ready)
+        return ready
+
+    def _queue_layer(self, ob: Outbound, layer: int) -> None:
+        if ob.src_bytes[0][0].is_cuda:  # the layer's kernels may still run: order the send after them
+            ob.layer_ready[layer] = torch.cuda.Event()
+            ob.layer_ready[layer].record()
+        self._events.put(("layer", ob, layer))
 
     def hook(self, *request_ids: str):
         """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
@@ -139,9 +159,14 @@ class KVSender:
         return push
 
     def commit(self, request_id: str, first_token: int) -> None:
-        """Queue the first token; sent once every layer was. A no-op once the transfer was reported."""
+        """Queue the first token (sampled: the forward pass ended), and the layers held back for it; sent once
+        every layer was. A no-op once the transfer was reported."""
         ob = self._get(request_id)
         if ob is not None:
+            with self._lock:
+                held, ob.layers_held = sorted(ob.layers_held), set()
+            for layer in held:
+                self._queue_layer(ob, layer)
             self._events.put(("commit", ob, int(first_token)))
 
     def renew(self, ticket: Ticket, lease_s: float) -> None:

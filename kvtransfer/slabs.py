@@ -89,13 +89,6 @@ def as_slabs(layers: list[torch.Tensor]) -> list[torch.Tensor]:
     return [hv.view(hv.shape[0], -1) for hv in layers]
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
-    else:
-        dst.copy_(src)
-
-
 def gather_heads(src: list[torch.Tensor], layers: range, block_ids: Sequence[int], head: int, num_heads: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Local heads ``[head, head + num_heads)`` of the blocks ``src[layer][block_ids]`` of each layer,
@@ -108,19 +101,38 @@ def gather_heads(src: list[torch.Tensor], layers: range, block_ids: Sequence[int
     if out is None:
         out = torch.empty(len(layers) * n * rows * num_heads * hb, dtype=torch.uint8, device=src[0].device)
     o = out.view(len(layers), n, rows, num_heads, hb)  # [layers, blocks, rows, heads, head_bytes]
-    for i, layer in enumerate(layers):
-        offset = 0
-        for first, k in contiguous_runs(block_ids):
-            _copy(o[i, offset:offset + k], src[layer][first:first + k, :, head:head + num_heads])
-            offset += k
+    runs = contiguous_runs(block_ids)
+    heads_of = slice(head, head + num_heads)
+    if src[0].device.type == "cpu":  # one numpy copy per layer (a fancy index over scattered blocks)
+        on, ids = o.numpy(), np.asarray(block_ids, dtype=np.int64)
+        for i, layer in enumerate(layers):
+            s = src[layer].numpy()
+            if len(runs) == 1:
+                np.copyto(on[i], s[runs[0][0]:runs[0][0] + n, :, heads_of])
+            else:
+                on[i] = s[ids, :, heads_of]
+    else:
+        for i, layer in enumerate(layers):
+            offset = 0
+            for first, k in runs:
+                o[i, offset:offset + k].copy_(src[layer][first:first + k, :, heads_of])
+                offset += k
     return out.view(len(layers) * n, -1)
 
 
 def scatter_heads(dst: torch.Tensor, block_ids: Sequence[int], head: int, src: torch.Tensor) -> None:
     """``dst[block_ids[i], :, head:head + k] = src[i]``: src ``[len(block_ids), rows, k, head_bytes]`` into
-    one layer's head view (a strided copy per run of consecutive block ids)."""
-    k = src.shape[2]
+    one layer's head view, in one strided copy where the CPU allows."""
+    heads_of = slice(head, head + src.shape[2])
+    runs = contiguous_runs(block_ids)
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        d, s = dst.numpy(), src.numpy()
+        if len(runs) == 1:
+            np.copyto(d[runs[0][0]:runs[0][0] + len(block_ids), :, heads_of], s)
+        else:
+            d[np.asarray(block_ids, dtype=np.int64), :, heads_of] = s
+        return
     offset = 0
-    for first, n in contiguous_runs(block_ids):
-        _copy(dst[first:first + n, :, head:head + k], src[offset:offset + n])
+    for first, n in runs:
+        dst[first:first + n, :, heads_of].copy_(src[offset:offset + n])
         offset += n

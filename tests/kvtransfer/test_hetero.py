@@ -5,9 +5,11 @@ A layout whose plan has a gap is refused at the handshake, before a byte moves."
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine.kv_cache import model_fingerprint
 from engine.llm import LLM
@@ -167,3 +169,40 @@ def test_the_sender_checks_the_plan_too():
             tx._plan_for(SimpleNamespace(peer_fingerprint={}))
     finally:
         tx.close()
+
+
+def test_a_tp_sender_sends_a_layer_once_every_rank_has_written_it():
+    """Rank 0's hook of layer l runs before that layer's all-reduces, when another rank may still be writing
+    its KV of layer l: layer l goes once the hook of layer l + 1 ran, the last layer at commit."""
+    from engine.block_pool import BlockPool
+
+    src_layout, dst_layout = KVLayout(3, 2, 8, 16, "float32", 2), KVLayout(3, 2, 8, 16, "float32", 1)
+    src = [[torch.randn(4, 2, 16, 1, 8) for _ in range(3)] for _ in range(2)]
+    dst = [torch.zeros(4, 2, 16, 2, 8) for _ in range(3)]
+    pool = BlockPool(4)
+    rx = KVReceiver(dst, pool, {}, ReceiverConfig(SECRET, "local"), layout=dst_layout)
+    tx = KVSender({}, SenderConfig(SECRET), layout=src_layout)
+
+    def landed() -> list[int]:
+        time.sleep(0.3)  # the sender's worker thread moves what was queued
+        return [layer for layer in range(3) if dst[layer][ticket.block_ids[0]].any()]
+
+    try:
+        ticket = rx.reserve("r", 10)
+        tx.start(ticket, src, [2], 10)
+        tx.push_layer("r", 0)
+        assert landed() == []  # rank 1 may not have written layer 0 yet
+        tx.push_layer("r", 1)
+        assert landed() == [0]
+        tx.push_layer("r", 2)
+        assert landed() == [0, 1]
+        tx.commit("r", 5)
+        results = wait_results(tx, rx, count=2)
+        assert [r.status for r in results] == ["DONE", "DONE"], [r.error for r in results]
+        for layer in range(3):  # each decode head from the prefill rank that holds it
+            assert torch.equal(dst[layer][ticket.block_ids[0]], torch.cat([src[0][layer][2], src[1][layer][2]], 2))
+        pool.free(rx.release("r"))
+    finally:
+        tx.close()
+        rx.close()
+    assert pool.is_fully_free()
