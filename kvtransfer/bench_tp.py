@@ -39,6 +39,7 @@ FINGERPRINT = {"architecture": "llama", "hidden_size": "576", "vocab_size": "491
 SECRET = "bench-secret"
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 TARGET = 80.0  # % of the homogeneous throughput (issue #12)
+MAX_CHUNK = 4 << 20  # SenderConfig.max_chunk_bytes (its default)
 
 
 def rank_caches(layout: KVLayout, num_blocks: int, fill: bool = False) -> list[list[torch.Tensor]]:
@@ -140,7 +141,7 @@ class Pair:
 
         self.src_kv = sources[a]
         self.src_pool = BlockPool(num_blocks)
-        self.sender = KVSender(FINGERPRINT, SenderConfig(SECRET, deadline_s=120), layout=LAYOUTS[a])
+        self.sender = KVSender(FINGERPRINT, SenderConfig(SECRET, deadline_s=120, max_chunk_bytes=MAX_CHUNK), layout=LAYOUTS[a])
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_receiver_main, args=(child, transport, b, num_blocks), daemon=True)
