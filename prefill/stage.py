@@ -68,11 +68,13 @@ class PrefillStage(StageLoop):
         same cores and the GIL, and the first token does not wait for the
         transfer anyway (BENCHMARKS.md, "Measured design choices").
         """
+        from kvtransfer.layout import engine_kv
         from kvtransfer.sender import KVSender
 
         core, tokenizer = load_engine(model_dir, engine_config, num_threads)
         self.lease_s = sender.lease_s
-        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
+        layout, self._kv_caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)
+        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender, layout=layout)
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under
         # way picks them up between layers instead of sending it all afterwards
@@ -137,7 +139,7 @@ class PrefillStage(StageLoop):
     def _start_send(self, job: _Job) -> None:
         seq = job.seq
         with phase(KV_TRANSFER_START):
-            self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
+            self.sender.start(job.ticket, self._kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
                               job.num_kv_tokens)
         job.sending = True
 
