@@ -206,3 +206,40 @@ def test_a_tp_sender_sends_a_layer_once_every_rank_has_written_it():
         tx.close()
         rx.close()
     assert pool.is_fully_free()
+
+
+@pytest.mark.parametrize("transport", ["local", "grpc"])
+def test_late_chunks_after_an_abort_touch_no_decode_rank(transport):
+    """A decode replica at TP=2: once a transfer is aborted and its blocks reused, a late chunk for either
+    rank's heads is dropped, and neither rank's cache changes."""
+    from engine.block_pool import BlockPool
+    from kvtransfer import transports
+    from kvtransfer.planner import ChunkPlan
+    from kvtransfer.slabs import rank_views
+
+    dst_layout = KVLayout(2, 2, 8, 16, "float32", 2)
+    dst = [[torch.zeros(6, 2, 16, 1, 8) for _ in range(2)] for _ in range(2)]
+    src = rank_views([[torch.randn(6, 2, 16, 2, 8) for _ in range(2)]])  # a TP=1 sender: both heads
+    pool = BlockPool(6)
+    rx = KVReceiver(dst, pool, {"architecture": "llama"}, ReceiverConfig(SECRET, transport), layout=dst_layout)
+    sender_fp = {"architecture": "llama", **KVLayout(2, 2, 8, 16, "float32").fingerprint_fields()}
+    link = transports.connect(rx.endpoint, sender_fp, SenderConfig(SECRET))
+    try:
+        ticket = rx.reserve("old", 20)
+        assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 2, 1, 0, 1), src, [1, 2], False).result(10).ok
+        assert dst[0][0][ticket.block_ids[0]].any() and not dst[1][0].any()  # head 0 went to rank 0 only
+        rx.abort("old")
+        assert [r.status for r in rx.poll()] == ["FAILED"]
+        reused = rx.reserve("new", 20)
+        assert set(reused.block_ids) == set(ticket.block_ids)
+        before = [t.clone() for rank in dst for t in rank]
+        late = [link.send_chunk(ticket.transfer_id, ChunkPlan(layer, 0, 2, 1, head, 1, 0, head), src, [1, 2], False)
+                for layer in (0, 1) for head in (0, 1)]
+        assert all(f.result(10).dropped for f in late)
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for rank in dst for t in rank]))
+        rx.abort("new")
+        rx.poll()
+    finally:
+        link.close()
+        rx.close()
+    assert pool.is_fully_free()
