@@ -141,7 +141,8 @@ class Pair:
 
         self.src_kv = sources[a]
         self.src_pool = BlockPool(num_blocks)
-        self.sender = KVSender(FINGERPRINT, SenderConfig(SECRET, deadline_s=120, max_chunk_bytes=MAX_CHUNK), layout=LAYOUTS[a])
+        config = SenderConfig(SECRET, deadline_s=120, max_chunk_bytes=MAX_CHUNK)
+        self.sender = KVSender(FINGERPRINT, config, layout=LAYOUTS[a])
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_receiver_main, args=(child, transport, b, num_blocks), daemon=True)

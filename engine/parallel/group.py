@@ -12,8 +12,9 @@ Teardown is also registered with `weakref.finalize`, so garbage collection
 and interpreter exit close the group too; a failed step (an exception, a
 dead or stuck rank, Ctrl-C) aborts it. No worker outlives it, and the
 segment's file is unlinked as soon as every rank has mapped it (before that,
-by teardown), and so are the workers' KV cache files (engine.parallel.kv_shm). A worker whose rank 0 vanished (SIGKILL) notices within
-milliseconds and exits.
+by teardown), and so are the workers' KV cache files (engine.parallel.kv_shm).
+A worker whose rank 0 vanished (SIGKILL) notices within milliseconds and
+exits.
 """
 from __future__ import annotations
 
