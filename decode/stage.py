@@ -51,13 +51,13 @@ class DecodeStage(StageLoop):
         self.receiver = None
         self.lease_s = 30.0
         if receiver is not None:
+            from kvtransfer.layout import engine_kv
             from kvtransfer.receiver import KVReceiver
 
             self.lease_s = receiver.lease_s
-            # (tensor-parallel: refused above until the per-rank transfer; then every rank's caches, as
-            # for the sender)
-            self.receiver = KVReceiver(core.kv_caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
-                                       receiver)
+            layout, caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)
+            self.receiver = KVReceiver(caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
+                                       receiver, layout=layout)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
         # reservations waiting for free blocks, oldest first: (sequence, channel, deadline)
         self._waiting: deque[tuple[Sequence, object, float]] = deque()

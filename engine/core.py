@@ -88,7 +88,7 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         if tp_group is not None:
-            tp_group.finish_start(num_blocks)
+            tp_group.finish_start(num_blocks, self.kv_caches)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""

@@ -94,12 +94,13 @@ def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -
     """What two workers must agree on before KV blocks may move between them.
 
     Values are strings so the handshake can compare field by field and name
-    the first field that differs.
+    the first field that differs. ``num_kv_heads`` is the model's (all ranks);
+    the KV transfer adds each rank's heads (kvtransfer.layout.with_layout).
     """
     fp = {
         "architecture": model.architecture,
         "num_layers": str(spec.num_layers),
-        "num_kv_heads": str(spec.num_kv_heads),
+        "num_kv_heads": str(model.num_kv_heads),
         "head_dim": str(spec.head_dim),
         "block_size": str(spec.block_size),
         "dtype": spec.dtype,

@@ -34,9 +34,9 @@ def proofs_match(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
-def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str | None:
-    """None when equal, else a message naming the first differing field."""
-    for key in sorted(set(ours) | set(theirs)):
+def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str], ignore=()) -> str | None:
+    """None when equal but for the fields in `ignore`, else a message naming the first differing field."""
+    for key in sorted((set(ours) | set(theirs)) - set(ignore)):
         if ours.get(key) != theirs.get(key):
             return (f"model fingerprint mismatch on {key!r}: receiver has {ours.get(key)!r}, "
                     f"sender has {theirs.get(key)!r}")

@@ -12,6 +12,9 @@ the last layer's compute ends when each layer is pushed from the per-layer
 hook while the next one computes. ``--compute`` names a callable
 ``f(layer: int) -> None`` that does one layer's work; the default runs the
 MLP and projection matmuls of one SmolLM2 layer on 1k tokens.
+
+Between replicas of different tensor-parallel sizes (and the strided copy of
+a KV-head range): ``python -m kvtransfer.bench_tp``.
 """
 from __future__ import annotations
 

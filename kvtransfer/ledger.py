@@ -53,8 +53,9 @@ class Inbound:
     def _finish(self, state: State) -> None:
         self.state, self.finished_at = state, time.time()
 
-    def record_chunk(self, layer: int, first_block: int, num_blocks: int, now: float, progress_timeout_s: float) -> None:
-        self.coverage.add(layer, first_block, num_blocks)
+    def record_chunk(self, layer: int, first_block: int, num_blocks: int, now: float, progress_timeout_s: float,
+                     head_start: int = 0, num_heads: int | None = None) -> None:
+        self.coverage.add(layer, first_block, num_blocks, head_start, num_heads)
         self.state = State.TRANSFERRING
         self.deadline = max(self.deadline, now + progress_timeout_s)
         if self.first_token is not None and self.coverage.is_complete:

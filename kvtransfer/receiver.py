@@ -16,6 +16,13 @@ decode loop, which polls every step). A lease is enforced twice: transport
 threads refuse data once its deadline has passed, and the next poll() frees
 the blocks and reports FAILED.
 
+Tensor parallelism: one receiver per decode replica, in rank 0's process,
+writing every rank's cache (``kv_caches`` rank -> layer, with the replica's
+KVLayout; engine.parallel maps the other ranks' caches from shared memory).
+A ticket's blocks are the same block ids on every rank (one pool, rank 0's),
+so a transfer is DONE, and its chunks and commit acknowledged, only when
+every decode rank holds every one of its heads: the one ack covers them all.
+
 One ``config.ReceiverConfig`` sets the transport, address, lease, timeouts
 and handler threads; the transport's service gets it whole. This module
 imports the transports; they import ``receiver_core``, never this module.
@@ -25,10 +32,9 @@ from __future__ import annotations
 import time
 import uuid
 
-import torch
-
 from engine.block_pool import BlockPool, NoFreeBlocksError  # noqa: F401  (re-exported)
 from kvtransfer.config import ReceiverConfig
+from kvtransfer.layout import KVLayout
 from kvtransfer.ledger import Inbound
 from kvtransfer.planner import Coverage, blocks_for_tokens
 from kvtransfer.receiver_core import ReceiverCore
@@ -44,16 +50,17 @@ class KVReceiver:
     every control call or nccl announce in flight holds one; calls beyond that wait for a thread.
     """
 
-    def __init__(self, kv_caches: list[torch.Tensor], pool: BlockPool, fingerprint: dict[str, str],
-                 config: ReceiverConfig):
-        if not kv_caches:
-            raise ValueError("kv_caches: need at least one layer")
+    def __init__(self, kv_caches, pool: BlockPool, fingerprint: dict[str, str], config: ReceiverConfig,
+                 layout: KVLayout | None = None):
+        """kv_caches: rank -> layer -> tensor (``layout`` says which heads each rank holds), or at TP=1
+        layer -> tensor (layout None: read from the shapes). ``fingerprint`` gets the layout's fields."""
         self.pool = pool
         self.config = config
         self.transport = config.transport
-        self.block_size = int(kv_caches[0].shape[2])
-        self.num_layers = len(kv_caches)
-        self.core = ReceiverCore(kv_caches, fingerprint, config.secret, config.progress_timeout_s)
+        self.core = ReceiverCore(kv_caches, fingerprint, config.secret, config.progress_timeout_s, layout)
+        self.layout = self.core.layout
+        self.block_size = self.layout.block_size
+        self.num_layers = self.layout.num_layers
         self._server = None
         if self.transport == "local":
             from kvtransfer.transports import local
@@ -75,8 +82,8 @@ class KVReceiver:
         block_ids = self.pool.allocate(num_blocks)
         ticket = Ticket(uuid.uuid4().hex, request_id, self.endpoint, block_ids, time.time() + lease_s,
                         self.transport)
-        self.core.ledger.add(Inbound(ticket, num_tokens, Coverage(self.num_layers, num_blocks),
-                                     ticket.lease_deadline))
+        self.core.ledger.add(Inbound(ticket, num_tokens, Coverage(self.num_layers, num_blocks,
+                                                                  self.layout.num_kv_heads), ticket.lease_deadline))
         return ticket
 
     def renew(self, request_id: str, lease_s: float) -> None:

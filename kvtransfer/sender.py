@@ -14,6 +14,17 @@ All public methods return at once; the one worker thread and the transports'
 threads do the moving. The source blocks must stay allocated until poll()
 reported the transfer (the prefill stage frees them then).
 
+Tensor parallelism: one sender per prefill replica, in rank 0's process,
+reading every rank's cache (``kv_caches`` rank -> layer, with the replica's
+KVLayout). When a link opens, the sender checks the reshard plan from its
+layout into the receiver's (from the handshake reply; the receiver has
+checked it too) and then sends, per layer, each unit of the plan: a global
+KV-head range read from one rank (whole slabs when it is all of that rank's
+heads, else a strided copy). A transfer is DONE only when the receiver
+acknowledged every chunk and the commit; the receiver is one per decode
+replica and acknowledges for all of its ranks, so DONE (and freeing the
+source blocks on every prefill rank) means every decode rank has its heads.
+
 One ``config.SenderConfig`` sets the deadline, timeouts, chunk size and
 checksum, and each transport's link options; every link gets it whole from
 ``transports.connect`` and reads its own part.
@@ -23,24 +34,27 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvtransfer import auth, transports
 from kvtransfer.config import SenderConfig
+from kvtransfer.layout import KVLayout, normalize_caches, with_layout
 from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
-from kvtransfer.slabs import byte_views
-from kvtransfer.types import Ack, HandshakeError, State, Ticket, TransferError, TransferResult
+from kvtransfer.reshard import TransferPlan
+from kvtransfer.slabs import rank_views
+from kvtransfer.types import Ack, HandshakeError, PlanError, State, Ticket, TransferError, TransferResult
 
 
 @dataclass(eq=False)
 class Outbound:
     ticket: Ticket
-    src_bytes: list[torch.Tensor]  # per layer [num_blocks, slab_bytes] uint8
+    src_bytes: list[list[torch.Tensor]]  # rank -> layer -> [num_blocks, rows, heads, head_bytes] uint8
     src_block_ids: list[int]
     deadline: float
-    plans: list[list[ChunkPlan]]
+    num_layers: int
+    plans: list[list[ChunkPlan]] = field(default_factory=list)  # per layer, once the link (and its plan) is known
     state: State = State.RESERVED
     link: object | None = None
     num_chunks_acked: int = 0
@@ -51,6 +65,7 @@ class Outbound:
     is_reported: bool = False
     finished_at: float | None = None
     layers_pushed: set[int] = field(default_factory=set)
+    layers_held: set[int] = field(default_factory=set)  # TP: hooked, not yet known written on every rank
     layer_ready: dict[int, object] = field(default_factory=dict)  # CUDA: layer -> event recorded by the hook
 
     @property
@@ -62,9 +77,17 @@ class KVSender:
     """Prefill-side endpoint, configured by one SenderConfig (deadline, timeouts, chunk size, checksum,
     and each transport's link options), which its links get whole."""
 
-    def __init__(self, fingerprint: dict[str, str], config: SenderConfig):
+    def __init__(self, fingerprint: dict[str, str], config: SenderConfig, layout: KVLayout | None = None):
+        """layout: which KV heads each rank of this replica holds; None: the one-rank layout the fingerprint
+        describes. ``fingerprint`` gets the layout's fields (tp_size, per-rank heads)."""
         auth.as_secret(config.secret)  # no secret, no sender
-        self.fingerprint = dict(fingerprint)
+        if layout is None:
+            try:
+                layout = KVLayout.from_fingerprint(fingerprint)
+            except ValueError:
+                layout = None  # no layout: start() and a link's plan refuse
+        self.layout = layout
+        self.fingerprint = with_layout(fingerprint, layout) if layout is not None else dict(fingerprint)
         self.config = config
         self._lock = threading.Lock()
         self._sends: dict[str, Outbound] = {}
@@ -79,15 +102,20 @@ class KVSender:
         """Handshake with ``endpoint`` now (blocking); raises HandshakeError or TransferError."""
         self._link_for(endpoint)
 
-    def start(self, ticket: Ticket, kv_caches: list[torch.Tensor], src_block_ids: list[int], num_tokens: int) -> None:
-        num_blocks = blocks_for_tokens(num_tokens, int(kv_caches[0].shape[2]))
+    def start(self, ticket: Ticket, kv_caches, src_block_ids: list[int], num_tokens: int) -> None:
+        """Queue one request's KV: ``src_block_ids`` (the same ids on every rank) of ``kv_caches``, rank -> layer
+        -> tensor (at TP=1 also layer -> tensor), into the ticket's blocks."""
+        if self.layout is None:
+            raise ValueError("KVSender: the fingerprint names no KV layout (num_layers, num_kv_heads, head_dim, "
+                             "block_size, dtype): pass layout=")
+        ranks = normalize_caches(kv_caches)
+        self.layout.check_caches(ranks)
+        num_blocks = blocks_for_tokens(num_tokens, self.layout.block_size)
         if num_blocks != len(ticket.block_ids) or num_blocks != len(src_block_ids):
             raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks; ticket has {len(ticket.block_ids)},"
                              f" source has {len(src_block_ids)}")
-        src = byte_views(kv_caches)
-        slab = src[0].shape[1]
-        plans = [plan_layer(layer, num_blocks, slab, self.config.max_chunk_bytes) for layer in range(len(src))]
-        ob = Outbound(ticket, src, list(src_block_ids), time.time() + self.config.deadline_s, plans)
+        ob = Outbound(ticket, rank_views(ranks), list(src_block_ids), time.time() + self.config.deadline_s,
+                      self.layout.num_layers)
         with self._lock:
             if ticket.request_id in self._sends:
                 raise ValueError(f"request {ticket.request_id!r} is already being sent")
@@ -95,13 +123,32 @@ class KVSender:
         self._events.put(("start", ob))
 
     def push_layer(self, request_id: str, layer: int) -> None:
-        """Queue layer ``layer`` (its KV is written). A no-op once the transfer was reported by poll()."""
+        """Queue layer ``layer`` (rank 0's KV of it is written). A no-op once the transfer was reported by poll().
+
+        In a TP group rank 0's hook runs after its attention of ``layer`` and before that layer's all-reduces,
+        so another rank has surely written its KV of a layer only once rank 0 is past them: a layer is sent
+        once the hook of a later layer ran, the last one at ``commit`` (after the forward pass).
+        """
         ob = self._get(request_id)
         if ob is not None:
-            if ob.src_bytes[0].is_cuda:  # the layer's kernels may still run: order the send after them
-                ob.layer_ready[layer] = torch.cuda.Event()
-                ob.layer_ready[layer].record()
-            self._events.put(("layer", ob, layer))
+            for ready in self._ready_layers(ob, layer):
+                self._queue_layer(ob, ready)
+
+    def _ready_layers(self, ob: Outbound, layer: int) -> list[int]:
+        if self.layout.tp_size == 1:
+            return [layer]
+        with self._lock:
+            ob.layers_held.add(layer)
+            top = max(ob.layers_held)
+            ready = sorted(held for held in ob.layers_held if held < top)
+            ob.layers_held.difference_update(ready)
+        return ready
+
+    def _queue_layer(self, ob: Outbound, layer: int) -> None:
+        if ob.src_bytes[0][0].is_cuda:  # the layer's kernels may still run: order the send after them
+            ob.layer_ready[layer] = torch.cuda.Event()
+            ob.layer_ready[layer].record()
+        self._events.put(("layer", ob, layer))
 
     def hook(self, *request_ids: str):
         """The engine's per-layer hook ``Callable[[int], None]`` for the requests of one batch."""
@@ -112,9 +159,14 @@ class KVSender:
         return push
 
     def commit(self, request_id: str, first_token: int) -> None:
-        """Queue the first token; sent once every layer was. A no-op once the transfer was reported."""
+        """Queue the first token (sampled: the forward pass ended), and the layers held back for it; sent once
+        every layer was. A no-op once the transfer was reported."""
         ob = self._get(request_id)
         if ob is not None:
+            with self._lock:
+                held, ob.layers_held = sorted(ob.layers_held), set()
+            for layer in held:
+                self._queue_layer(ob, layer)
             self._events.put(("commit", ob, int(first_token)))
 
     def renew(self, ticket: Ticket, lease_s: float) -> None:
@@ -203,9 +255,12 @@ class KVSender:
             return
         if kind == "start":
             try:
-                ob.link = self._link_for(ob.ticket.endpoint)
+                link = self._link_for(ob.ticket.endpoint)
             except (HandshakeError, TransferError) as e:
                 self._fail(ob, str(e), notify=False)
+                return
+            ob.plans = self._chunk_plans(link.kv_plan, len(ob.ticket.block_ids))
+            ob.link = link
         elif kind == "commit":
             ob.first_token = arg
             self._maybe_commit(ob)
@@ -220,8 +275,9 @@ class KVSender:
         for layer in layers:
             if layer in ob.layer_ready:
                 ob.layer_ready.pop(layer).synchronize()
-        chunks = coalesce_layers([c for layer in sorted(layers) for c in ob.plans[layer]],
-                                 ob.src_bytes[0].shape[1], self.config.max_chunk_bytes)
+        # a unit's chunks of consecutive layers together, so that coalescing can merge them
+        chunks = sorted((c for layer in layers for c in ob.plans[layer]), key=lambda c: (c.source, c.layer))
+        chunks = coalesce_layers(chunks, self._unit_bytes, self.config.max_chunk_bytes)
         for chunk in chunks:
             if ob.state.is_finished:
                 return
@@ -239,11 +295,26 @@ class KVSender:
             ob.num_chunks_acked += num_layers  # a coalesced chunk stands for one planned chunk per layer
         self._maybe_done(ob)
 
+    def _unit_bytes(self, chunk: ChunkPlan) -> int:
+        """A chunk's bytes per block: its heads' share of a block."""
+        return (chunk.num_heads or self.layout.num_kv_heads) * self.layout.head_bytes
+
+    def _chunk_plans(self, plan: TransferPlan, num_blocks: int) -> list[list[ChunkPlan]]:
+        """Per layer, the chunks of each unit of the plan that covers it, each at most max_chunk_bytes."""
+        plans: list[list[ChunkPlan]] = [[] for _ in range(self.layout.num_layers)]
+        cap = self.config.max_chunk_bytes
+        for u in plan.units:
+            per_block = len(u.heads) * self.layout.head_bytes
+            for layer in u.layers:
+                plans[layer] += [replace(c, head_start=u.heads.start, num_heads=len(u.heads), src_rank=u.src.rank,
+                                         src_head=u.src.head) for c in plan_layer(layer, num_blocks, per_block, cap)]
+        return plans
+
     def _maybe_commit(self, ob: Outbound) -> None:
         """Commit once every layer was *sent* (not acknowledged): the receiver finishes on the last chunk."""
         with self._lock:
             if (ob.state.is_finished or ob.is_commit_sent or ob.first_token is None
-                    or len(ob.layers_pushed) < len(ob.plans)):
+                    or len(ob.layers_pushed) < ob.num_layers):
                 return
             ob.is_commit_sent = True
         future = ob.link.commit(ob.ticket.transfer_id, ob.first_token)
@@ -280,9 +351,29 @@ class KVSender:
         if link is not None:
             link.close()  # its transport failed: free what it still holds (threads, sockets)
         link = transports.connect(endpoint, self.fingerprint, self.config)
+        try:
+            link.kv_plan = self._plan_for(link)
+        except HandshakeError:
+            link.close()
+            raise
         with self._lock:
             self._links[endpoint] = link
         return link
+
+    def _plan_for(self, link) -> TransferPlan:
+        """The plan from this replica's layout into the receiver's (its fingerprint, from the handshake),
+        checked here too: HandshakeError (PlanError naming the piece) before any byte moves."""
+        if self.layout is None:
+            raise HandshakeError("handshake refused: this sender's fingerprint names no KV layout")
+        try:
+            theirs = KVLayout.from_fingerprint(link.peer_fingerprint or {})
+        except ValueError as e:
+            raise HandshakeError(f"handshake refused: the receiver's {e}") from None
+        try:
+            return self.layout.plan_to(theirs)
+        except PlanError as e:
+            raise PlanError(f"plan refused: KV layout of tp_size {self.layout.tp_size} into {theirs.tp_size}: "
+                            f"{e}") from None
 
     def _get(self, request_id: str) -> Outbound | None:
         with self._lock:

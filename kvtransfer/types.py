@@ -13,6 +13,11 @@ class HandshakeError(TransferError):
     """The peer was refused: wrong secret, or a model fingerprint mismatch (field named)."""
 
 
+class PlanError(HandshakeError):
+    """The two replicas' KV layouts (or a plan between them) do not write every (layer, KV head) of every
+    decode rank exactly once; the message names the missing or doubled piece. Raised before any byte moves."""
+
+
 class State(enum.IntEnum):
     """A transfer's life cycle; ``state >= State.DONE`` means finished."""
 

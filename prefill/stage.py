@@ -70,14 +70,14 @@ class PrefillStage(StageLoop):
 
         ``ranks``: how the other tensor-parallel ranks start (`load_engine`).
         """
+        from kvtransfer.layout import engine_kv
         from kvtransfer.sender import KVSender
 
         check_transfer_ranks(engine_config, "prefill")
         core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.lease_s = sender.lease_s
-        # (tensor-parallel: refused above until the per-rank transfer; then the sender takes every rank's
-        # caches, core.tp_group's rank -> layer -> tensor, and their layout, instead of rank 0's alone)
-        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender)
+        layout, self._kv_caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)
+        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender, layout=layout)
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under
         # way picks them up between layers instead of sending it all afterwards
@@ -142,7 +142,7 @@ class PrefillStage(StageLoop):
     def _start_send(self, job: _Job) -> None:
         seq = job.seq
         with phase(KV_TRANSFER_START):
-            self.sender.start(job.ticket, self.core.kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
+            self.sender.start(job.ticket, self._kv_caches, seq.block_ids[: len(job.ticket.block_ids)],
                               job.num_kv_tokens)
         job.sending = True
 

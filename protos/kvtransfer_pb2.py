@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/kvtransfer.proto\x12\x12kvrelay.kvtransfer\"\x0e\n\x0cHelloRequest\"\x1b\n\nHelloReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\xd9\x01\n\x10HandshakeRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12\x14\n\x0csender_nonce\x18\x03 \x01(\x0c\x12J\n\x0b\x66ingerprint\x18\x04 \x03(\x0b\x32\x35.kvrelay.kvtransfer.HandshakeRequest.FingerprintEntry\x12\x11\n\ttransport\x18\x05 \x01(\t\x1a\x32\n\x10\x46ingerprintEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x0eHandshakeReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\x05\x12\x0f\n\x07pair_id\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"4\n\x0cRenewRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xb8\x01\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x14\n\x0chas_checksum\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0b\n\x03tag\x18\x07 \x01(\x03\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x12\x12\n\nnum_layers\x18\t \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"9\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x03\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t2\xfc\x03\n\nKVTransfer\x12I\n\x05Hello\x12 .kvrelay.kvtransfer.HelloRequest\x1a\x1e.kvrelay.kvtransfer.HelloReply\x12U\n\tHandshake\x12$.kvrelay.kvtransfer.HandshakeRequest\x1a\".kvrelay.kvtransfer.HandshakeReply\x12\x42\n\x05Renew\x12 .kvrelay.kvtransfer.RenewRequest\x1a\x17.kvrelay.kvtransfer.Ack\x12>\n\x04Push\x12\x19.kvrelay.kvtransfer.Chunk\x1a\x17.kvrelay.kvtransfer.Ack(\x01\x30\x01\x12>\n\x08\x41nnounce\x12\x19.kvrelay.kvtransfer.Chunk\x1a\x17.kvrelay.kvtransfer.Ack\x12\x44\n\x06\x43ommit\x12!.kvrelay.kvtransfer.CommitRequest\x1a\x17.kvrelay.kvtransfer.Ack\x12\x42\n\x05\x41\x62ort\x12 .kvrelay.kvtransfer.AbortRequest\x1a\x17.kvrelay.kvtransfer.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/kvtransfer.proto\x12\x12kvrelay.kvtransfer\"\x0e\n\x0cHelloRequest\"\x1b\n\nHelloReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\xd9\x01\n\x10HandshakeRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12\x14\n\x0csender_nonce\x18\x03 \x01(\x0c\x12J\n\x0b\x66ingerprint\x18\x04 \x03(\x0b\x32\x35.kvrelay.kvtransfer.HandshakeRequest.FingerprintEntry\x12\x11\n\ttransport\x18\x05 \x01(\t\x1a\x32\n\x10\x46ingerprintEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfb\x01\n\x0eHandshakeReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\x05\x12\x0f\n\x07pair_id\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12H\n\x0b\x66ingerprint\x18\x07 \x03(\x0b\x32\x33.kvrelay.kvtransfer.HandshakeReply.FingerprintEntry\x1a\x32\n\x10\x46ingerprintEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0cRenewRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xdf\x01\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x14\n\x0chas_checksum\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0b\n\x03tag\x18\x07 \x01(\x03\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x12\x12\n\nnum_layers\x18\t \x01(\x05\x12\x12\n\nhead_start\x18\n \x01(\x05\x12\x11\n\tnum_heads\x18\x0b \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"9\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x03\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t2\xfc\x03\n\nKVTransfer\x12I\n\x05Hello\x12 .kvrelay.kvtransfer.HelloRequest\x1a\x1e.kvrelay.kvtransfer.HelloReply\x12U\n\tHandshake\x12$.kvrelay.kvtransfer.HandshakeRequest\x1a\".kvrelay.kvtransfer.HandshakeReply\x12\x42\n\x05Renew\x12 .kvrelay.kvtransfer.RenewRequest\x1a\x17.kvrelay.kvtransfer.Ack\x12>\n\x04Push\x12\x19.kvrelay.kvtransfer.Chunk\x1a\x17.kvrelay.kvtransfer.Ack(\x01\x30\x01\x12>\n\x08\x41nnounce\x12\x19.kvrelay.kvtransfer.Chunk\x1a\x17.kvrelay.kvtransfer.Ack\x12\x44\n\x06\x43ommit\x12!.kvrelay.kvtransfer.CommitRequest\x1a\x17.kvrelay.kvtransfer.Ack\x12\x42\n\x05\x41\x62ort\x12 .kvrelay.kvtransfer.AbortRequest\x1a\x17.kvrelay.kvtransfer.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST_FINGERPRINTENTRY']._loaded_options = None
   _globals['_HANDSHAKEREQUEST_FINGERPRINTENTRY']._serialized_options = b'8\001'
+  _globals['_HANDSHAKEREPLY_FINGERPRINTENTRY']._loaded_options = None
+  _globals['_HANDSHAKEREPLY_FINGERPRINTENTRY']._serialized_options = b'8\001'
   _globals['_HELLOREQUEST']._serialized_start=47
   _globals['_HELLOREQUEST']._serialized_end=61
   _globals['_HELLOREPLY']._serialized_start=63
@@ -41,18 +43,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_end=310
   _globals['_HANDSHAKEREQUEST_FINGERPRINTENTRY']._serialized_start=260
   _globals['_HANDSHAKEREQUEST_FINGERPRINTENTRY']._serialized_end=310
-  _globals['_HANDSHAKEREPLY']._serialized_start=312
-  _globals['_HANDSHAKEREPLY']._serialized_end=437
-  _globals['_RENEWREQUEST']._serialized_start=439
-  _globals['_RENEWREQUEST']._serialized_end=491
-  _globals['_CHUNK']._serialized_start=494
-  _globals['_CHUNK']._serialized_end=678
-  _globals['_COMMITREQUEST']._serialized_start=680
-  _globals['_COMMITREQUEST']._serialized_end=737
-  _globals['_ABORTREQUEST']._serialized_start=739
-  _globals['_ABORTREQUEST']._serialized_end=790
-  _globals['_ACK']._serialized_start=792
-  _globals['_ACK']._serialized_end=841
-  _globals['_KVTRANSFER']._serialized_start=844
-  _globals['_KVTRANSFER']._serialized_end=1352
+  _globals['_HANDSHAKEREPLY']._serialized_start=313
+  _globals['_HANDSHAKEREPLY']._serialized_end=564
+  _globals['_HANDSHAKEREPLY_FINGERPRINTENTRY']._serialized_start=260
+  _globals['_HANDSHAKEREPLY_FINGERPRINTENTRY']._serialized_end=310
+  _globals['_RENEWREQUEST']._serialized_start=566
+  _globals['_RENEWREQUEST']._serialized_end=618
+  _globals['_CHUNK']._serialized_start=621
+  _globals['_CHUNK']._serialized_end=844
+  _globals['_COMMITREQUEST']._serialized_start=846
+  _globals['_COMMITREQUEST']._serialized_end=903
+  _globals['_ABORTREQUEST']._serialized_start=905
+  _globals['_ABORTREQUEST']._serialized_end=956
+  _globals['_ACK']._serialized_start=958
+  _globals['_ACK']._serialized_end=1007
+  _globals['_KVTRANSFER']._serialized_start=1010
+  _globals['_KVTRANSFER']._serialized_end=1518
 # @@protoc_insertion_point(module_scope)

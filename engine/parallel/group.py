@@ -3,7 +3,8 @@ shared segment, the collectives, and their teardown.
 
     group = TPGroup(model_dir, config, model_config)   # creates the segment, starts ranks 1..N-1
     ... rank 0 builds its own shard of the model (EngineCore) ...
-    group.finish_start(num_blocks)                     # every rank allocates its cache; all ready
+    group.finish_start(num_blocks, kv_caches)          # every rank maps its cache; all ready
+    group.rank_kv_caches()                             # rank -> layer -> KV tensor (for the KV transfer)
     group.send_step(payload)                           # once per step (engine.parallel.step)
     group.close()                                      # STOP, join; or abort and kill
 
@@ -14,8 +15,9 @@ Teardown is also registered with `weakref.finalize`, so garbage collection
 and interpreter exit close the group too; a failed step (an exception, a
 dead or stuck rank, Ctrl-C) aborts it. No worker outlives it, and the
 segment's file is unlinked as soon as every rank has mapped it (before that,
-by teardown). A worker whose rank 0 vanished (SIGKILL) notices within
-milliseconds and exits.
+by teardown), and so are the workers' KV cache files (engine.parallel.kv_shm).
+A worker whose rank 0 vanished (SIGKILL) notices within milliseconds and
+exits.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import weakref
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import CollectiveError, GlooCollectives
 from engine.parallel.launch import RankLauncher, SpawnLauncher
+from engine.parallel.kv_shm import create_kv_segment, kv_segment_path, map_kv_cache, unlink_kv_segment
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
@@ -82,6 +85,13 @@ class _State:
         self.is_healthy = True
         self.is_closed = False
         self.num_threads: int | None = None  # this process's torch threads before the group set its own
+        self.kv_paths: list[str] = []  # the workers' KV cache files, until unlinked
+        self.rank_kv: list[list] = []  # rank -> layer -> KV tensor, once every rank is ready
+
+    def unlink_kv(self) -> None:
+        for path in self.kv_paths:
+            unlink_kv_segment(path)
+        self.kv_paths = []
 
     def unlink(self) -> None:
         if not self.is_unlinked:
@@ -116,6 +126,8 @@ class _State:
 
                 torch.set_num_threads(self.num_threads)
             self.unlink()
+            self.unlink_kv()
+            self.rank_kv = []  # the mappings go with the last tensor that views them
             for c in self.conns:
                 c.close()
             if self.gloo is not None:
@@ -129,6 +141,7 @@ class TPGroup:
                  launcher: RankLauncher | None = None):
         tp = config.tensor_parallel_size
         self.size = tp
+        self.config, self.model_config = config, model_config
         self.layout = segment_layout(config, model_config)
         self.state = state = _State(create_segment(self.layout))
         self._finalizer = weakref.finalize(self, state.teardown)
@@ -187,11 +200,16 @@ class TPGroup:
             got.append(msg)
         return got
 
-    def finish_start(self, num_blocks: int) -> None:
-        """Rank 0's shard and cache are built: the others size their caches alike; wait for all."""
+    def finish_start(self, num_blocks: int, kv_caches: list | None = None) -> None:
+        """Rank 0's shard and cache (``kv_caches``) are built: the others size their caches alike, in
+        shared memory that rank 0 maps too (CPU); wait for all."""
         try:
+            mapped = self._create_kv_caches(num_blocks)
             self.state.shm.send(init_message(num_blocks))
             self._await(Ready, START_TIMEOUT_S)
+            self.state.unlink_kv()  # every rank maps its cache
+            if kv_caches is not None and mapped is not None:
+                self.state.rank_kv = [list(kv_caches), *mapped]
         except BaseException:
             self.fail()
             raise
@@ -209,6 +227,34 @@ class TPGroup:
         except BaseException:
             self.fail()
             raise
+
+    def _create_kv_caches(self, num_blocks: int) -> list[list] | None:
+        """Each worker rank's cache file, created and mapped here (the worker maps it at init)."""
+        if self.config.device != "cpu":
+            return None  # CUDA: IPC handles would go here (engine.parallel.kv_shm)
+        from engine.core import pick_dtype
+        from engine.kv_cache import KVCacheSpec
+
+        dtype = pick_dtype(self.config.dtype, self.config.device)
+        mapped = []
+        for rank in range(1, self.size):
+            heads = ShardLayout.for_rank(self.model_config, rank, self.size).num_kv_heads
+            spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, dtype, num_kv_heads=heads)
+            path = kv_segment_path(self.state.segment, rank)
+            create_kv_segment(path, spec, num_blocks, rank, prefault=self.config.kv_cache_prefault)
+            self.state.kv_paths.append(path)
+            mapped.append(map_kv_cache(path, spec, num_blocks))
+        return mapped
+
+    def rank_kv_caches(self) -> list[list]:
+        """rank -> layer -> that rank's KV cache tensor (``[num_blocks, 2, block_size, its heads, head_dim]``),
+        rank 0's own and the others' mapped from their shared memory: what the replica's one KV transfer
+        endpoint reads (prefill) or writes (decode). Valid while the group is up."""
+        self.check()
+        if not self.state.rank_kv:
+            raise RuntimeError("rank_kv_caches: only a CPU group that finished starting maps every rank's cache "
+                               "(CUDA would share IPC handles: not implemented)")
+        return self.state.rank_kv
 
     def send_step(self, payload: bytes) -> None:
         self.check()

@@ -40,6 +40,15 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
             f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({cfg.intermediate_size})")
 
 
+def kv_heads_of(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first global KV head, count) that rank `rank` of `size` holds: a split when size divides
+    num_kv_heads; else (size a multiple of it) one replicated head, ranks
+    [kv * size/nkv, (kv+1) * size/nkv) sharing head kv. The one rule; the KV transfer reads it too."""
+    if size <= num_kv_heads:
+        return rank * (num_kv_heads // size), num_kv_heads // size
+    return rank // (size // num_kv_heads), 1
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """What rank `rank` of `size` holds (the whole model at size 1)."""
@@ -59,10 +68,7 @@ class ShardLayout:
     def for_rank(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
         check_tensor_parallel(cfg, size)
         nh = cfg.num_heads // size
-        if size <= cfg.num_kv_heads:
-            nkv, kv0 = cfg.num_kv_heads // size, rank * (cfg.num_kv_heads // size)
-        else:  # replicated: ranks [kv * size/nkv, (kv+1) * size/nkv) share KV head kv
-            nkv, kv0 = 1, rank // (size // cfg.num_kv_heads)
+        kv0, nkv = kv_heads_of(cfg.num_kv_heads, rank, size)
         vs = -(-cfg.vocab_size // size)
         return cls(rank, size, nh, nkv, rank * nh, kv0, cfg.intermediate_size // size,
                    rank * vs, vs, cfg.vocab_size)

@@ -5,8 +5,9 @@ Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 
 1. attach: map the shared segment (and join gloo, with that backend);
 2. load: read this rank's shard of the checkpoint, build the model on it;
-3. init: take the KV cache size from rank 0's first message, allocate this
-   rank's cache (its KV heads only), report ready with its memory figures;
+3. init: take the KV cache size from rank 0's first message, map this rank's
+   cache (its KV heads only) from the shared-memory file rank 0 made for it
+   (engine.parallel.kv_shm; CUDA: allocated here), report ready with its memory figures;
 4. run: for each step message, rebuild the batch from the mirrored block
    tables, run the forward (joining every all-reduce) and, where the batch
    samples, hand its vocabulary slice of the logits to rank 0;
@@ -135,7 +136,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
     except ValueError:  # not the main thread (a Ray actor's call): Ctrl-C does not reach it anyway
         pass
     parent = os.getppid()
-    shm = comm = None
+    shm = comm = kv_path = None
     try:
         from engine.core import pick_dtype
         from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
@@ -174,7 +175,13 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         if init[0] != INIT:
             raise RuntimeError(f"rank {spec.rank}: expected the init message, got kind {init[0]}")
         kv_spec = KVCacheSpec.for_model(cfg, config.block_size, dtype_name, num_kv_heads=layout.num_kv_heads)
-        kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
+        if config.device == "cpu":  # in shared memory, so that rank 0's KV transfer endpoint maps it too
+            from engine.parallel.kv_shm import kv_segment_path, map_kv_cache
+
+            kv_path = kv_segment_path(spec.segment, spec.rank)
+            kv_caches = map_kv_cache(kv_path, kv_spec, int(init[1]))
+        else:
+            kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
         runner = ModelRunner(model, kv_caches, config.block_size)
         conn.send(Ready(memory_report(model)))
         decoder = StepDecoder()
@@ -200,6 +207,10 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         except (OSError, ValueError):
             pass
     finally:
+        if kv_path is not None:  # rank 0 unlinks it once every rank is ready; this covers a rank 0 killed before
+            from engine.parallel.kv_shm import unlink_kv_segment
+
+            unlink_kv_segment(kv_path)
         if comm is not None and comm is not shm:
             comm.close()
         conn.close()

@@ -23,6 +23,7 @@ class Link(ABC):
     """
 
     is_broken: bool = False
+    peer_fingerprint: dict[str, str] | None = None  # the receiver's (its KV layout included), from the handshake
 
     @classmethod
     @abstractmethod
@@ -36,9 +37,10 @@ class Link(ABC):
     @abstractmethod
     def send_chunk(self, transfer_id: str, chunk: ChunkPlan, src: list[torch.Tensor], src_block_ids: list[int],
                    checksum: bool) -> Future:
-        """Send the slabs of ``chunk`` (its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]``).
+        """Send ``chunk``: its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]`` x its KV heads,
+        read from rank ``chunk.src_rank``.
 
-        src: every layer as ``[num_blocks, slab_bytes]`` uint8 (``slabs.byte_views``).
+        src: rank -> layer -> ``[num_blocks, 2 * block_size, heads, head_bytes]`` uint8 (``slabs.rank_views``).
         """
 
     @abstractmethod
@@ -64,18 +66,38 @@ def chunk_ids(chunk: ChunkPlan, src_block_ids: list[int]) -> list[int]:
     return src_block_ids[chunk.first_block:chunk.first_block + chunk.num_blocks]
 
 
-def gather(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int], out=None) -> torch.Tensor:
-    """The chunk's slabs as one contiguous ``[layers * n, slab_bytes]`` tensor (a view when it can be).
+def chunk_heads(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> int:
+    """How many KV heads the chunk carries (num_heads 0: all its rank holds)."""
+    return chunk.num_heads or src[chunk.src_rank][0].shape[2]
+
+
+def is_whole(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> bool:
+    """The chunk carries every head of its rank: whole slabs, no strided copy."""
+    return chunk.src_head == 0 and chunk_heads(src, chunk) == src[chunk.src_rank][0].shape[2]
+
+
+def chunk_nbytes(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> int:
+    _, rows, _, head_bytes = src[chunk.src_rank][0].shape
+    return chunk.num_layers * chunk.num_blocks * rows * chunk_heads(src, chunk) * head_bytes
+
+
+def gather(src: list[list[torch.Tensor]], chunk: ChunkPlan, block_ids: list[int], out=None) -> torch.Tensor:
+    """The chunk's bytes as one contiguous ``[layers * n, bytes per block]`` tensor (a view when it can be).
 
     out: a flat uint8 buffer of the right size to copy into, instead of a fresh allocation.
     """
-    return slabs.gather(src, chunk.layers, block_ids, out)
+    return slabs.gather_heads(src[chunk.src_rank], chunk.layers, block_ids, chunk.src_head,
+                              chunk_heads(src, chunk), out)
 
 
-def pieces(src: list[torch.Tensor], chunk: ChunkPlan, block_ids: list[int]) -> list:
-    """The chunk's slabs as buffer views (CPU), layer-major, for a zero-copy join."""
+def pieces(src: list[list[torch.Tensor]], chunk: ChunkPlan, block_ids: list[int]) -> list:
+    """The chunk's bytes as buffer views (CPU), layer-major, for a zero-copy join: the slabs themselves when it
+    carries all of its rank's heads, else one strided copy."""
+    if not is_whole(src, chunk):
+        return [gather(src, chunk, block_ids).numpy()]
+    layers = slabs.as_slabs(src[chunk.src_rank])
     runs = contiguous_runs(block_ids)
-    return [src[layer][b:b + n].numpy() for layer in chunk.layers for b, n in runs]
+    return [layers[layer][b:b + n].numpy() for layer in chunk.layers for b, n in runs]
 
 
 def crc32_of(t: torch.Tensor) -> int:

@@ -85,6 +85,9 @@ class GrpcControl(Link):
             raise HandshakeError("handshake refused: the receiver does not know the cluster secret")
         return channel, reply
 
+    def _set_peer(self, reply) -> None:
+        self.peer_fingerprint = dict(reply.fingerprint)
+
     def _call(self, method, request, timeout_s: float | None = None, out: Future | None = None) -> Future:
         out = out or Future()
         try:
@@ -262,7 +265,9 @@ class GrpcLink(GrpcControl):
     def connect(cls, endpoint: str, fingerprint: dict[str, str], config: SenderConfig) -> "GrpcLink":
         channel, reply = cls._handshake(endpoint, fingerprint, config)
         heap.keep_large_buffers()
-        return cls(endpoint, channel, reply.session_id, config)
+        link = cls(endpoint, channel, reply.session_id, config)
+        link._set_peer(reply)
+        return link
 
     @property
     def is_broken(self) -> bool:
@@ -281,14 +286,14 @@ class GrpcLink(GrpcControl):
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)
-        if src[0].device.type != "cpu":
+        if src[0][0].device.type != "cpu":
             parts = [gather(src, chunk, ids).cpu().numpy()]
         else:
             parts = pieces(src, chunk, ids)  # views, no copy
         nbytes = sum(p.nbytes for p in parts)
         header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
                           num_blocks=chunk.num_blocks, num_layers=chunk.num_layers,
-                          nbytes=nbytes)
+                          head_start=chunk.head_start, num_heads=chunk.num_heads, nbytes=nbytes)
         if checksum:
             crc = 0
             for p in parts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -50,7 +51,9 @@ class LocalLink(Link):
                                   fingerprint, "local")
         if not auth.proofs_match(proof, auth.receiver_proof(secret, sender_nonce)):
             raise HandshakeError("handshake refused: the receiver does not know the cluster secret")
-        return cls(endpoint, core)
+        link = cls(endpoint, core)
+        link.peer_fingerprint = dict(core.fingerprint)
+        return link
 
     def _core(self) -> ReceiverCore | None:
         core = self._core_ref()
@@ -63,11 +66,12 @@ class LocalLink(Link):
         if core is None:
             return done(Ack(False, error="receiver closed"))
         ack = Ack(True)
-        for layer in chunk.layers:  # one copy per layer, source slabs to blocks, no staging
-            part = ChunkPlan(layer, chunk.first_block, chunk.num_blocks)
+        for layer in chunk.layers:  # one copy per layer, source slabs to blocks (a head range: one strided copy)
+            part = replace(chunk, layer=layer, num_layers=1)
             data = gather(src, part, chunk_ids(part, src_block_ids))
             crc = crc32_of(data) if checksum else None
-            ack = core.write_chunk(transfer_id, layer, chunk.first_block, chunk.num_blocks, data, crc)
+            ack = core.write_chunk(transfer_id, layer, chunk.first_block, chunk.num_blocks, data, crc, 1,
+                                   chunk.head_start, chunk.num_heads)
             if not ack.ok:
                 break
         return done(ack)

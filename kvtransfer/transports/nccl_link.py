@@ -20,7 +20,7 @@ import torch
 from kvtransfer.config import SenderConfig
 from kvtransfer.planner import ChunkPlan
 from kvtransfer.transports import pairing
-from kvtransfer.transports.base import chunk_ids, crc32_of, done, gather
+from kvtransfer.transports.base import chunk_ids, chunk_nbytes, crc32_of, done, gather
 from kvtransfer.transports.grpc_link import GrpcControl
 from kvtransfer.types import Ack, TransferError
 from protos import kvtransfer_pb2 as pb
@@ -57,17 +57,19 @@ class NcclLink(GrpcControl):
         except Exception as e:
             channel.close()
             raise TransferError(f"cannot join the process group of {endpoint}: {e}") from None
-        return cls(endpoint, channel, reply.session_id, config, pair)
+        link = cls(endpoint, channel, reply.session_id, config, pair)
+        link._set_peer(reply)
+        return link
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)
-        staging = self.staging.take(chunk.num_layers * chunk.num_blocks * src[0].shape[1])
-        data = gather(src, chunk, ids, out=staging).contiguous()  # [layers * n, slab_bytes]
+        staging = self.staging.take(chunk_nbytes(src, chunk))
+        data = gather(src, chunk, ids, out=staging).contiguous()  # [layers * n, bytes per block]
         with self._tag_lock:
             tag = next(self._tags)
         header = pb.Chunk(transfer_id=transfer_id, layer=chunk.layer, first_block=chunk.first_block,
                           num_blocks=chunk.num_blocks, num_layers=chunk.num_layers, tag=tag,
-                          nbytes=data.numel())
+                          head_start=chunk.head_start, num_heads=chunk.num_heads, nbytes=data.numel())
         if checksum:
             header.has_checksum, header.crc32 = True, crc32_of(data)
         if not self._window.acquire(timeout=self.chunk_timeout_s):

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from kvtransfer.config import ReceiverConfig
 from kvtransfer.receiver_core import ReceiverCore
 from kvtransfer.transports import heap, pairing
-from kvtransfer.types import Ack, HandshakeError
+from kvtransfer.types import Ack, HandshakeError, PlanError
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
 
@@ -124,10 +124,10 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             session, proof = self.core.handshake(request.nonce, request.proof, request.sender_nonce,
                                                  dict(request.fingerprint), request.transport)
         except HandshakeError as e:
-            code = (grpc.StatusCode.FAILED_PRECONDITION if "fingerprint" in str(e)
+            code = (grpc.StatusCode.FAILED_PRECONDITION if "fingerprint" in str(e) or isinstance(e, PlanError)
                     else grpc.StatusCode.PERMISSION_DENIED)
             context.abort(code, str(e))
-        reply = pb.HandshakeReply(session_id=session.session_id, proof=proof)
+        reply = pb.HandshakeReply(session_id=session.session_id, proof=proof, fingerprint=self.core.fingerprint)
         if self.transport == "nccl":
             backend = pairing.backend_for(self.core.device)
             pair = pairing.PairGroup(backend)
@@ -160,13 +160,14 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             return pb.Ack(ok=False, error=f"malformed chunk: {e}")
         crc = header.crc32 if header.has_checksum else None
         return to_pb(self.core.write_chunk(header.transfer_id, header.layer, header.first_block,
-                                           header.num_blocks, data, crc, header.num_layers))
+                                           header.num_blocks, data, crc, header.num_layers,
+                                           header.head_start, header.num_heads))
 
     def Announce(self, request, context):
         session = self._session(context)
         pair = session.pair
-        expected = max(1, request.num_layers) * request.num_blocks * self.core.slab_bytes
-        if pair is None or request.nbytes != expected or expected <= 0:
+        expected = self.core.chunk_nbytes(request.num_layers, request.num_blocks, request.num_heads)
+        if pair is None or request.nbytes != expected or expected <= 0 or request.num_heads < 0:
             self.core.fail(request.transfer_id, f"bad announce: {request.nbytes} bytes, expected {expected}")
             return pb.Ack(ok=False, error="bad announce")
         staging = self.staging.take(expected)  # [nbytes]
@@ -182,7 +183,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         crc = request.crc32 if request.has_checksum else None
         try:
             return to_pb(self.core.write_chunk(request.transfer_id, request.layer, request.first_block,
-                                               request.num_blocks, staging, crc, request.num_layers))
+                                               request.num_blocks, staging, crc, request.num_layers,
+                                               request.head_start, request.num_heads))
         finally:
             self.staging.give(staging)
 

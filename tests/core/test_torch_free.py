@@ -23,6 +23,7 @@ CORE = [
     "engine.serving.frames",
     "cluster.router",
     "kvtransfer.planner",
+    "kvtransfer.reshard",
 ]
 
 

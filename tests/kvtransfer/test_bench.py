@@ -19,3 +19,17 @@ def test_section_reads_targets_against_the_socket_of_the_same_run():
     assert "**met**: worst 6.2%" in text
     doc = "# Benchmarks\n\n## KV transfer\n\nold\n\n## Engine\n\nkept\n"
     assert replace_section(doc, text).endswith("## Engine\n\nkept\n")
+
+
+def test_tp_section_reads_the_target_against_the_homogeneous_pair_of_the_same_run():
+    from kvtransfer import bench_tp
+
+    seconds = {("nccl", 4096, 1, 1): 0.080, ("nccl", 4096, 2, 1): 0.090, ("nccl", 4096, 1, 2): 0.110}
+    ratios = {key: [100 * 0.080 / sec] for key, sec in seconds.items()}
+    copies = [("gather, whole blocks (contiguous slabs)", 4_000_000, 0.001)]
+    text = bench_tp.section(SimpleNamespace(reps=1, copy_tokens=4096), copies, seconds, ratios,
+                            "python -m kvtransfer.bench_tp")
+    assert text.startswith("## Heterogeneous TP KV transfer\n")
+    assert "| gather, whole blocks (contiguous slabs) | 4.00 | 1.000 | 4.00 |" in text
+    assert "| nccl | 4096 | 125.8 | 2 -> 1 | 90.0 | 1.40 | 89% | 89–89% |" in text
+    assert "**not met**: worst pair 73%" in text  # 1 -> 2 at 80 / 110

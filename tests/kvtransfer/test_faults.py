@@ -15,7 +15,7 @@ from engine.kv_cache import allocate_kv_cache
 from kvtransfer import HandshakeError, KVReceiver, KVSender, transports
 from kvtransfer.config import GrpcLinkConfig, ReceiverConfig, SenderConfig
 from kvtransfer.planner import ChunkPlan
-from kvtransfer.slabs import byte_views
+from kvtransfer.slabs import rank_views
 from kvtransfer.types import State
 from protos import kvtransfer_pb2 as pb
 from protos import kvtransfer_pb2_grpc as pb_grpc
@@ -226,7 +226,7 @@ def test_calls_without_a_session_are_unauthenticated(receiver):
 def test_late_and_duplicate_chunks_after_abort_are_dropped(receiver, transport):
     rx, spec = receiver(transport)
     src_kv = make_source(spec, 5, num_blocks=8)
-    src = byte_views(src_kv)
+    src = rank_views([src_kv])
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("old", 30)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 2), src, [3, 4], False).result(10).ok
@@ -235,12 +235,12 @@ def test_late_and_duplicate_chunks_after_abort_are_dropped(receiver, transport):
     assert failed.status == "FAILED"
     reused = rx.reserve("new", 30)  # takes the blocks the aborted transfer had
     assert set(reused.block_ids) == set(ticket.block_ids)
-    before = [layer.clone() for layer in rx.core.kv_bytes]
+    before = [layer.clone() for layer in rx.core.kv_bytes[0]]
     late = [link.send_chunk(ticket.transfer_id, ChunkPlan(layer, 0, 2), src, [3, 4], False)
             for layer in (0, 1, 0)]  # a late layer 1, a duplicate layer 0
     assert all(f.result(10).dropped for f in late)
     assert link.commit(ticket.transfer_id, 1).result(10).dropped
-    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes[0]))
     link.close()
     rx.abort("new")
     rx.poll()
@@ -249,7 +249,7 @@ def test_late_and_duplicate_chunks_after_abort_are_dropped(receiver, transport):
 
 def test_duplicate_chunks_after_done_are_dropped(receiver):
     rx, spec = receiver("local")
-    src = byte_views(make_source(spec, 6, num_blocks=4))
+    src = rank_views([make_source(spec, 6, num_blocks=4)])
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16)
     for layer in range(spec.num_layers):
@@ -257,9 +257,9 @@ def test_duplicate_chunks_after_done_are_dropped(receiver):
     assert link.commit(ticket.transfer_id, 9).result().ok
     [done] = rx.poll()
     assert (done.status, done.first_token) == ("DONE", 9)
-    before = [layer.clone() for layer in rx.core.kv_bytes]
+    before = [layer.clone() for layer in rx.core.kv_bytes[0]]
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [2], False).result().dropped  # other data
-    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes[0]))
     rx.pool.free(rx.release("r"))
     assert rx.pool.is_fully_free()
 
@@ -292,7 +292,7 @@ def test_sender_renews_the_lease_remotely(receiver):
 
 def test_commit_without_every_layer_fails_at_the_lease(receiver):
     rx, spec = receiver("local", progress_timeout_s=1.0)
-    src = byte_views(make_source(spec, 6, num_blocks=4))
+    src = rank_views([make_source(spec, 6, num_blocks=4)])
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16, lease_s=1.0)
     assert link.send_chunk(ticket.transfer_id, ChunkPlan(0, 0, 1), src, [1], False).result().ok
@@ -306,7 +306,7 @@ def test_commit_without_every_layer_fails_at_the_lease(receiver):
 
 def test_commit_may_overtake_the_last_chunk(receiver):
     rx, spec = receiver("local")
-    src = byte_views(make_source(spec, 6, num_blocks=4))
+    src = rank_views([make_source(spec, 6, num_blocks=4)])
     link = transports.connect(rx.endpoint, make_fingerprint(spec), SenderConfig(SECRET.encode()))
     ticket = rx.reserve("r", 16)
     last = ChunkPlan(spec.num_layers - 1, 0, 1)
@@ -342,7 +342,7 @@ def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
     ticket = rx.reserve("r", 16)
     header = pb.Chunk(transfer_id=ticket.transfer_id, layer=0, first_block=0, num_blocks=1,
                       nbytes=rx.core.slab_bytes).SerializeToString()
-    before = [layer.clone() for layer in rx.core.kv_bytes]
+    before = [layer.clone() for layer in rx.core.kv_bytes[0]]
     frames = [b"\xff\xff\xff",  # a varint that never ends
               header + bytes([15 << 3 | 2]) + b"\x80\x80\x04" + b"\0" * 10,  # data claims 64 KiB, has 10 bytes
               header + bytes([15 << 3 | 7])]  # wire type 7 does not exist
@@ -350,7 +350,7 @@ def test_malformed_push_bytes_are_refused_and_touch_no_block(receiver):
     assert len(acks) == len(frames)
     for ack in acks:
         assert not ack.ok and ack.error.startswith("malformed chunk:"), ack.error
-    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(before, rx.core.kv_bytes[0]))
     assert rx.poll() == []  # nothing trustworthy named the transfer: it stays open for its real chunks
     link.close()
     rx.abort("r")

@@ -40,3 +40,27 @@ def test_gather_into_a_given_buffer_and_as_a_view():
     assert flat.data_ptr() == out.data_ptr()
     view = slabs.gather(src, range(1, 2), [2, 3, 4])
     assert view.data_ptr() == src[1][2].data_ptr()
+
+
+@pytest.mark.parametrize("ids", [[4, 5, 6, 7], [9, 2, 3, 0, 7], [5]])
+@pytest.mark.parametrize("heads", [(0, 1), (1, 2), (2, 1), (0, 3)])
+def test_a_head_range_moves_between_heads_inner_caches(ids, heads):
+    """gather_heads reads local heads [h, h + k) of each block ([blocks, 2, block_size, heads, head_dim]);
+    scatter_heads writes them at another offset of another rank's cache, touching nothing else."""
+    head, k = heads
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randn(12, 2, 4, 3, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+    dst = [torch.randn(12, 2, 4, 5, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+    before = [d.clone() for d in dst]
+    flat = slabs.gather_heads(slabs.head_views(src), range(0, 2), ids, head, k)  # [layers * n, bytes per block]
+    want = torch.stack([src[layer][ids][:, :, :, head:head + k] for layer in range(2)])
+    assert torch.equal(flat.view(torch.bfloat16).view(want.shape), want)
+    targets = random.Random(1).sample(range(12), len(ids))
+    hv = slabs.head_views(dst)
+    for layer in range(2):
+        part = flat.view(2, len(ids), 8, k, -1)[layer]  # [blocks, rows, heads, head_bytes]
+        slabs.scatter_heads(hv[layer], targets, 2, part)
+    for layer in range(2):
+        expected = before[layer].clone()
+        expected[targets, :, :, 2:2 + k] = src[layer][ids][:, :, :, head:head + k]
+        assert torch.equal(dst[layer], expected)
