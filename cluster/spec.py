@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.spec_errors import SpecError, format_errors
-from cluster.spec_tp import check_tp_fits_model, disaggregated_tp_problems
+from cluster.spec_tp import check_tp_fits_model
 from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
@@ -420,8 +420,6 @@ class Spec(_Strict):
         for name in unused:
             if name in self.model_fields_set:
                 problems.append(f"{name}: section is not used in mode {self.mode!r}; remove it")
-        if self.mode == "disaggregated":
-            problems += disaggregated_tp_problems(self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size)
         if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
             problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
                             f"so KV blocks transfer whole, got {self.decode.block_size}")

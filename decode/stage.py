@@ -35,7 +35,7 @@ from engine.kv_cache import model_fingerprint
 from engine.profiling import RECEIVER_POLL, phase
 from engine.sequence import Sequence
 from engine.serving.frames import Reserve, Submit, TicketReady
-from engine.serving.stage_loop import StageLoop, check_transfer_ranks, load_engine
+from engine.serving.stage_loop import StageLoop, load_engine
 from engine.serving.types import LoadReport
 from kvtransfer.config import ReceiverConfig
 
@@ -45,8 +45,6 @@ class DecodeStage(StageLoop):
                  receiver: ReceiverConfig | None = None, num_threads: int | None = None, ranks=None):
         """``receiver``: None for a colocated replica, else the KV receiver's config.
         ``ranks``: how the other tensor-parallel ranks start (`load_engine`)."""
-        if receiver is not None:
-            check_transfer_ranks(engine_config, "decode")
         core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.receiver = None
         self.lease_s = 30.0

@@ -40,7 +40,7 @@ from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving.frames import Attach, FirstToken, Prefill, PrefillDone
-from engine.serving.stage_loop import StageLoop, check_transfer_ranks, load_engine
+from engine.serving.stage_loop import StageLoop, load_engine
 from engine.serving.types import GenerateDelta, LoadReport, TokenLogprob
 from kvtransfer.config import SenderConfig
 
@@ -73,7 +73,6 @@ class PrefillStage(StageLoop):
         from kvtransfer.layout import engine_kv
         from kvtransfer.sender import KVSender
 
-        check_transfer_ranks(engine_config, "prefill")
         core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.lease_s = sender.lease_s
         layout, self._kv_caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)

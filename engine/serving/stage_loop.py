@@ -98,19 +98,6 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     return core, tokenizer
 
 
-def check_transfer_ranks(config: EngineConfig, side: str) -> None:
-    """Refuse a tensor-parallel replica that moves KV (a prefill replica's sender, a decode
-    replica's receiver): the transfer moves one cache, and every rank holds only its own heads.
-    (Where the per-rank transfer comes in, the sender and receiver take the group's caches,
-    rank -> layer -> tensor, and its layout instead.)"""
-    if config.tensor_parallel_size > 1:
-        from engine.config import ConfigError
-
-        raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size} on a {side} replica needs the "
-                          "per-rank KV transfer (each rank holds only its KV heads), which is not in yet; "
-                          "use mode: colocated for tensor parallelism")
-
-
 class StageLoop:
     """Owns the engine on one thread. Subclasses add frame handlers
     (``_handlers``) and implement ``_iterate``."""

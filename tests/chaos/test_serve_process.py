@@ -80,7 +80,7 @@ def test_sigkill_of_serve_leaves_nothing_behind(tmp_path):
     try:
         assert served.answers()
         log = served.log.read_text()  # long startup work shows its progress
-        for line in ("starting a local Ray instance", "model ready in", "loading 2 replicas",
+        for line in ("model ready in", "starting a local Ray instance", "loading 2 replicas",
                      "prefill-0 loaded", "decode-0 loaded"):
             assert f"kvrelay: {line}" in log or f"kvrelay:   {line}" in log, line
         everything = psutil.Process(served.proc.pid).children(recursive=True)

@@ -45,16 +45,13 @@ def test_spread_is_fine_for_a_single_rank():
     Spec.model_validate(colocated(placement_strategy="SPREAD"))
 
 
-@pytest.mark.parametrize("prefill, decode, problem", [
-    (2, 2, "prefill.tensor_parallel_size: 2 in mode disaggregated needs the per-rank KV transfer"),
-    (2, 1, "decode.tensor_parallel_size: 1 differs from prefill.tensor_parallel_size (2): heterogeneous tensor "
-           "parallelism needs the per-rank KV transfer"),
-    (1, 2, "decode.tensor_parallel_size: 2 differs from prefill.tensor_parallel_size (1)"),
-])
-def test_disaggregated_tp_is_refused_until_the_per_rank_transfer(prefill, decode, problem):
-    with pytest.raises(SpecError) as e:
-        Spec.model_validate({"prefill": {"tensor_parallel_size": prefill}, "decode": {"tensor_parallel_size": decode}})
-    assert problem in str(e.value)
+@pytest.mark.parametrize("prefill, decode", [(1, 2), (2, 1), (2, 2), (3, 1)])
+def test_disaggregated_stages_may_differ_in_tp(prefill, decode):
+    """The KV transfer reshards the heads between the two layouts (kvtransfer.reshard)."""
+    cfg = split_spec(Spec.model_validate({"prefill": {"tensor_parallel_size": prefill},
+                                          "decode": {"tensor_parallel_size": decode}}))
+    assert (cfg.stages[Stage.PREFILL].tensor_parallel_size, cfg.stages[Stage.DECODE].tensor_parallel_size) == \
+        (prefill, decode)
 
 
 def test_validate_checks_tp_against_the_models_heads(tmp_path, capsys):
