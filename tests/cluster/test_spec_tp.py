@@ -1,6 +1,6 @@
 """The spec's tensor-parallel fields: what reaches the engine and the launcher, and the
-refusals (a strategy that may spread the ranks, GPUs, disaggregated TP before the per-rank
-transfer, a TP that does not split the model's heads), each naming its field."""
+refusals (a strategy that may spread the ranks, GPUs, a TP that does not split the model's
+heads), each naming its field; disaggregated stages may differ in TP."""
 import pytest
 
 from cluster.cli import main
