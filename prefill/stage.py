@@ -200,6 +200,10 @@ class PrefillStage(StageLoop):
                 job = self._jobs.get(out.seq.request_id)
                 if job is None:
                     continue
+                if out.seq.status == SequenceStatus.FINISHED_ERROR:  # its grammar did not compile
+                    del self._jobs[out.seq.request_id]
+                    self._refuse(job.ch, out.seq.request_id, out.seq.error)
+                    continue
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
                 job.ch.send(self._first_token(out.seq, out.new_token_ids[0]))  # ahead of the transfer

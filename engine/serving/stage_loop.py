@@ -86,6 +86,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     try:
         tokenizer = Tokenizer.from_folder(model_dir)
         core.eos_token_ids |= frozenset(tokenizer.eos_token_ids)
+        core.enable_guided(tokenizer.hf)
     except TokenizerError:
         tokenizer = None
     return core, tokenizer
