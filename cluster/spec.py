@@ -265,6 +265,8 @@ class FrontendSpec(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
     tls: TLSSpec | None = None
     health_interval_s: float = Field(1.0, gt=0, le=60)  # gRPC health re-checks the replicas this often
+    # how the model writes tool calls (cluster.tools): auto reads it from the chat template
+    tool_call_format: Literal["auto", "hermes", "llama3"] = "auto"
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "FrontendSpec":
@@ -471,6 +473,7 @@ class FrontendConfig:
     tls_key_file: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no auth
     health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
+    tool_call_format: str = "auto"  # auto | hermes | llama3 (cluster.tools)
 
 
 @dataclass(frozen=True)
@@ -550,6 +553,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         host=f.host, grpc_port=f.grpc_port, http_port=f.http_port,
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
         api_keys=tuple(spec.auth.resolve_api_keys()), health_interval_s=f.health_interval_s,
+        tool_call_format=f.tool_call_format,
     )
     n = spec.network
     ports = lambda r: None if r is None else (r.first, r.last)  # noqa: E731
