@@ -19,7 +19,7 @@ it and not llguidance). Three pieces:
   recomputes its KV, not its tokens.
 
 `apply_masks` writes the masks of the guided rows of a batch's logits, in
-place; rows without a grammar are not touched.
+place (torch ops); rows without a grammar are not touched.
 """
 from __future__ import annotations
 
@@ -186,13 +186,35 @@ class GrammarState:
 def apply_masks(logits, states: Sequence[GrammarState], rows: Sequence[int]) -> None:
     """Mask ``logits`` in place: row ``rows[i]`` keeps only the tokens ``states[i]`` allows.
 
-    logits: [N, V] float; rows: indices into N (the guided rows only).
+    logits: [N, V] float; rows: indices into N (the guided rows only; the others are not touched).
     """
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [N, ceil(V/32)] int32, CPU
-    for state, row in zip(states, rows):
-        state.fill(bitmask, row)
-    if logits.device.type != "cpu":
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(rows))
+    # [R, ceil(V/32)] int32: bit j of word w allows token 32w + j
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for i, state in enumerate(states):
+        state.fill(bitmask, i)
+    apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+
+
+_BITS: dict = {}  # device -> [32] int32 shifts
+
+
+def apply_bitmask(logits, bitmask, rows: Sequence[int]) -> None:
+    """logits[rows[i], t] = -inf where bit t of bitmask[i] is 0, in place (torch ops: this costs a
+    fraction of xgrammar's own CPU apply, BENCHMARKS.md "Guided decoding").
+
+    logits: [N, V] float; bitmask: [len(rows), ceil(V/32)] int32 on logits' device.
+    """
+    import torch
+
+    shifts = _BITS.get(logits.device)
+    if shifts is None:
+        shifts = _BITS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    num_rows, vocab = len(rows), logits.shape[1]
+    banned = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab] == 0  # [R, V] bool
+    if num_rows == logits.shape[0] and list(rows) == list(range(num_rows)):
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = torch.tensor(list(rows), device=logits.device)
+    logits[index] = logits[index].masked_fill_(banned, float("-inf"))
