@@ -163,3 +163,24 @@ def test_a_spec_that_fails_on_the_replica_ends_only_its_request(llm):
     assert done[g].finish_reason == "error" and "regex: cannot be compiled" in done[g].error
     assert len(done[u].token_ids) == 4 and done[u].finish_reason == "length"
     assert llm.core.pool.is_fully_free()
+
+
+def test_the_mask_touches_only_the_guided_rows_and_bans_exactly_the_zero_bits():
+    import torch
+
+    from engine.guided import apply_bitmask
+
+    vocab = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    logits = torch.randn(4, vocab)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 3), dtype=torch.int32)
+    want = logits.clone()
+    for i, row in enumerate((1, 3)):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[row, t] = float("-inf")
+    apply_bitmask(logits, bitmask, [1, 3])
+    assert torch.equal(logits, want)
+    full = torch.randn(2, vocab)
+    want = full.masked_fill(torch.isinf(want[[1, 3]]), float("-inf"))
+    apply_bitmask(full, bitmask, [0, 1])
+    assert torch.equal(full, want)
