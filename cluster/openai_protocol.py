@@ -91,7 +91,8 @@ class ChatBody(_GenerateBody):
 
 def chat_tools(body: ChatBody, backend: Backend, tool_format: str = "auto") -> tool_calls.ToolRequest | None:
     """The body's tools and tool_choice (`cluster.tools`); raises `InvalidRequestError` naming the field."""
-    return tool_calls.parse_tools(body.tools, body.tool_choice, _chat_template(backend.tokenizer), tool_format)
+    return tool_calls.parse_tools(body.tools, body.tool_choice, _chat_template(backend.tokenizer), tool_format,
+                                  body.parallel_tool_calls)
 
 
 def _chat_template(tokenizer: Tokenizer) -> str:

@@ -62,6 +62,7 @@ class ToolRequest:
     choice: str  # none | auto | required | function
     format: str  # hermes | llama3
     named: str = ""  # choice "function": the function's name
+    parallel: bool = True  # parallel_tool_calls: False keeps only the first call of an answer
 
     @property
     def is_forced(self) -> bool:
@@ -86,8 +87,8 @@ class ToolRequest:
         return next(f for f in self.functions if f.name == name)
 
 
-def parse_tools(tools: Any, tool_choice: Any, chat_template: str, configured_format: str = "auto"
-                ) -> ToolRequest | None:
+def parse_tools(tools: Any, tool_choice: Any, chat_template: str, configured_format: str = "auto",
+                parallel_tool_calls: bool | None = None) -> ToolRequest | None:
     """The request's `ToolRequest` (None without tools); raises `InvalidRequestError` naming the field."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
@@ -115,7 +116,8 @@ def parse_tools(tools: Any, tool_choice: Any, chat_template: str, configured_for
             raise InvalidRequestError(f"tools[{i}].function.description", "must be a string")
         functions.append(Function(name, description, params))
     choice, named = _choice(tool_choice, functions)
-    return ToolRequest(tuple(functions), choice, tool_format(chat_template, configured_format), named)
+    return ToolRequest(tuple(functions), choice, tool_format(chat_template, configured_format), named,
+                       parallel_tool_calls is not False)
 
 
 def _choice(tool_choice: Any, functions: list[Function]) -> tuple[str, str]:
@@ -286,6 +288,8 @@ class ToolCallParser:
         return deltas + self._args_delta(piece)
 
     def _start(self, name: str, arguments: str) -> list[dict]:
+        if self.calls and not self.tools.parallel:  # parallel_tool_calls false: the first call only
+            return []
         delta = _call(len(self.calls), name, arguments)
         self.calls.append({"id": delta["id"], "type": "function", "function": {"name": name, "arguments": arguments}})
         return [delta]

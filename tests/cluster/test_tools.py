@@ -101,3 +101,11 @@ def test_a_template_without_tools_gets_them_as_a_system_message_and_calls_as_tex
     assert out[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     out, template_tools = chat_messages(messages, tools, "{% for tool in tools %}...")
     assert template_tools == [WEATHER] and out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    tools = parse_tools([WEATHER, TIME], "auto", "", parallel_tool_calls=False)
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = run(ToolCallParser(tools), text, 1000)
+    assert [c["name"] for c in calls] == ["get_weather"] and content == ""
