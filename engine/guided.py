@@ -81,13 +81,35 @@ def _choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _json_safe_lengths(schema):
+    """``schema`` with string length bounds written as a pattern.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` to a character class
+    that lets raw control characters (a tab, say) into the string, which
+    makes the output invalid JSON; the same bounds as a pattern exclude them.
+    (Either way the string holds no escapes.) A string that already has a
+    pattern, a format, an enum or a const keeps its bounds.
+    """
+    if isinstance(schema, list):
+        return [_json_safe_lengths(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _json_safe_lengths(v) for k, v in schema.items()}
+    bounds = ("minLength" in out or "maxLength" in out) and out.get("type") == "string"
+    if bounds and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return out
+
+
 def _grammar(spec: GuidedSpec):
     """The tokenizer-free xgrammar.Grammar of ``spec``; raises GuidedError naming the problem."""
     import xgrammar as xgr
 
     try:
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            schema = json.dumps(_json_safe_lengths(json.loads(spec.value)))
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":

@@ -184,3 +184,16 @@ def test_the_mask_touches_only_the_guided_rows_and_bans_exactly_the_zero_bits():
     want = full.masked_fill(torch.isinf(want[[1, 3]]), float("-inf"))
     apply_bitmask(full, bitmask, [0, 1])
     assert torch.equal(full, want)
+
+
+def test_string_length_bounds_keep_control_characters_out(llm):
+    """xgrammar's own maxLength would let a raw tab in (invalid JSON); the bounds become a pattern."""
+    from engine.guided import GrammarState
+
+    spec = GuidedSpec.json_schema({"type": "object", "required": ["s"], "additionalProperties": False,
+                                   "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}}})
+    compiled = llm.core.grammars.compile(spec).result(60)
+    GrammarState(compiled, llm.tokenizer.encode('{"s": "ab"}', add_special_tokens=False))
+    for bad in ('{"s": "a\tb"}', '{"s": "abcde"}', '{"s": ""}'):
+        with pytest.raises(GuidedError, match="does not match the grammar"):
+            GrammarState(compiled, llm.tokenizer.encode(bad, add_special_tokens=False))
