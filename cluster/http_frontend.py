@@ -3,11 +3,14 @@
 Endpoints:
 
     POST /v1/completions        prompt: a string, a list of one string, or token ids
-    POST /v1/chat/completions   messages through the model's chat template
+    POST /v1/chat/completions   messages through the model's chat template, with tools (cluster.tools)
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
     GET  /metrics               Prometheus text (no key needed)
+
+Both completion endpoints take structured output (response_format, vLLM's
+guided_* and structured_outputs: `cluster.structured`).
 
 A completion: authenticate (``Authorization: Bearer <key>`` when keys are
 configured) → parse the body (`cluster.openai_protocol`) → tokenize and

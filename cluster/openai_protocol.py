@@ -4,7 +4,9 @@ Bodies are pydantic models in strict mode that ignore unknown fields (OpenAI
 clients send extras) but refuse a wrong type, naming the field
 (``temperature: input should be a valid number``). `to_generate_request`
 turns a body into a `GenerateRequest` through the shared tokenization
-(`cluster.serving`) and validation (`cluster.validation`). The rest builds
+(`cluster.serving`) and validation (`cluster.validation`), with its
+structured-output constraint (`cluster.structured`) and, for a chat, its
+tools (`chat_tools`, `cluster.tools`). The rest builds
 response objects from `GenerateDelta`s; `cluster.http_frontend` serves them.
 """
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cluster import tools as tool_calls
 from cluster.backend import Backend, Tokenizer
 from cluster.errors import quote
-from cluster import tools as tool_calls
 from cluster.serving import encode_chat, encode_text
 from cluster.structured import guided_spec
 from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
