@@ -26,7 +26,7 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str:
+                            tokenize: bool = False, tools: list[dict] | None = None) -> str:
         """Render ``[{"role": ..., "content": ...}, ...]`` as prompt text (called with tokenize=False).
 
         The frontend encodes the result with ``add_special_tokens=False``: the

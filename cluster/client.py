@@ -11,6 +11,7 @@ async iterator). Every failure raises `KVRelayError` with the gRPC code.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,9 +84,12 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  logprobs: int | None = None, timeline: bool = False) -> pb.GenerateRequest:
+                  logprobs: int | None = None, timeline: bool = False,
+                  guided: dict | None = None) -> pb.GenerateRequest:
     """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
-    ``timeline``: ask for the request's `RequestTimeline` on the last chunk."""
+    ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``guided``: structured
+    output, one of ``{"json_schema": {...}}``, ``{"json_object": True}``, ``{"regex": "..."}``,
+    ``{"choice": ["a", "b"]}``, ``{"grammar": "root ::= ..."}``."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
@@ -94,6 +98,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                  **{k: v for k, v in optional.items() if v is not None})
     req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling, timeline=timeline)
+    if guided is not None:
+        req.guided.CopyFrom(_guided(guided))
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
@@ -106,6 +112,19 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         if not token_ids:
             req.token_ids.SetInParent()
     return req
+
+
+def _guided(guided: dict) -> pb.GuidedDecoding:
+    if len(guided) != 1:
+        raise ValueError(f"guided: give one constraint, got {sorted(guided)}")
+    (kind, value), = guided.items()
+    if kind == "json_schema":
+        return pb.GuidedDecoding(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return pb.GuidedDecoding(choice=pb.ChoiceList(choices=list(value)))
+    if kind in ("json_object", "regex", "grammar"):
+        return pb.GuidedDecoding(**{kind: value})
+    raise ValueError(f"guided: unknown constraint {kind!r}")
 
 
 def _chunk(resp: pb.GenerateResponse) -> Chunk:

@@ -37,6 +37,7 @@ from cluster.spec import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            RequestTimeline)
 from cluster.validation import check_model, check_request_id, validate_request
+from engine.guided import GuidedError, GuidedSpec
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
 
@@ -158,6 +159,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
+            guided=_guided(request), guided_field=f"guided.{request.guided.WhichOneof('constraint')}",
         )
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
                                timeline=request.timeline)
@@ -277,3 +279,23 @@ class GrpcFrontend:
     async def wait_for_termination(self) -> None:
         if self.server is not None:
             await self.server.wait_for_termination()
+
+
+def _guided(request: pb.GenerateRequest) -> GuidedSpec | None:
+    """The request's ``guided`` constraint (None when unset); raises `InvalidRequestError` naming it."""
+    if not request.HasField("guided"):
+        return None
+    g = request.guided
+    kind = g.WhichOneof("constraint")
+    try:
+        if kind == "json_schema":
+            return GuidedSpec.json_schema(g.json_schema)
+        if kind == "json_object":
+            return GuidedSpec("json_object") if g.json_object else None
+        if kind == "choice":
+            return GuidedSpec("choice", choices=tuple(g.choice.choices))
+        if kind in ("regex", "grammar"):
+            return GuidedSpec(kind, getattr(g, kind))
+    except GuidedError as e:
+        raise InvalidRequestError(f"guided.{kind}", str(e)) from None
+    raise InvalidRequestError("guided", "set one of json_schema, json_object, regex, choice or grammar")

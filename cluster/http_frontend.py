@@ -3,11 +3,14 @@
 Endpoints:
 
     POST /v1/completions        prompt: a string, a list of one string, or token ids
-    POST /v1/chat/completions   messages through the model's chat template
+    POST /v1/chat/completions   messages through the model's chat template, with tools (cluster.tools)
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
     GET  /metrics               Prometheus text (no key needed)
+
+Both completion endpoints take structured output (response_format, vLLM's
+guided_* and structured_outputs: `cluster.structured`).
 
 A completion: authenticate (``Authorization: Bearer <key>`` when keys are
 configured) → parse the body (`cluster.openai_protocol`) → tokenize and
@@ -195,12 +198,15 @@ class HttpFrontend:
             return _error(401, problem, "authentication_error", code="invalid_api_key")
         try:
             body = oai.parse_body(responses.body_type, await request.read())
-            req = oai.to_generate_request(body, self.backend, responses.id_prefix + uuid.uuid4().hex)
+            tools = (oai.chat_tools(body, self.backend, self.config.tool_call_format)
+                     if isinstance(body, oai.ChatBody) else None)
+            req = oai.to_generate_request(body, self.backend, responses.id_prefix + uuid.uuid4().hex, tools)
         except InvalidRequestError as e:
             self.metrics.count_rejected("http", "invalid_request")
             return _invalid(e)
         out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
-                        with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage)
+                        with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage,
+                        **({"tools": tools} if tools is not None else {}))
         running = run_request(self.backend, req, self.metrics.start_request("http", req))
         async with contextlib.aclosing(running) as deltas:
             try:

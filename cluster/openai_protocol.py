@@ -4,7 +4,9 @@ Bodies are pydantic models in strict mode that ignore unknown fields (OpenAI
 clients send extras) but refuse a wrong type, naming the field
 (``temperature: input should be a valid number``). `to_generate_request`
 turns a body into a `GenerateRequest` through the shared tokenization
-(`cluster.serving`) and validation (`cluster.validation`). The rest builds
+(`cluster.serving`) and validation (`cluster.validation`), with its
+structured-output constraint (`cluster.structured`) and, for a chat, its
+tools (`chat_tools`, `cluster.tools`). The rest builds
 response objects from `GenerateDelta`s; `cluster.http_frontend` serves them.
 """
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cluster import tools as tool_calls
 from cluster.backend import Backend, Tokenizer
 from cluster.errors import quote
 from cluster.serving import encode_chat, encode_text
+from cluster.structured import guided_spec
 from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
 from cluster.validation import check_model, validate_request
 
@@ -48,6 +52,13 @@ class _GenerateBody(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: Any = None  # ignored
+    # structured output (cluster.structured): OpenAI's, and vLLM's extras
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -65,6 +76,9 @@ class CompletionBody(_GenerateBody):
 class ChatMessage(_Body):
     role: str
     content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
+    tool_calls: Any = None  # an assistant's earlier calls (cluster.tools)
+    tool_call_id: str | None = None  # role "tool": the call it answers
+    name: str | None = None
 
 
 class ChatBody(_GenerateBody):
@@ -72,6 +86,20 @@ class ChatBody(_GenerateBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None  # cluster.tools
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+def chat_tools(body: ChatBody, backend: Backend, tool_format: str = "auto") -> tool_calls.ToolRequest | None:
+    """The body's tools and tool_choice (`cluster.tools`); raises `InvalidRequestError` naming the field."""
+    return tool_calls.parse_tools(body.tools, body.tool_choice, _chat_template(backend.tokenizer), tool_format,
+                                  body.parallel_tool_calls)
+
+
+def _chat_template(tokenizer: Tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else str(template)
 
 
 def parse_body(body_type: type[_Body], raw: bytes) -> Any:
@@ -95,8 +123,10 @@ _UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("echo", 
                 ("suffix", ""))
 
 
-def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, request_id: str) -> GenerateRequest:
-    """Check, tokenize and validate a body; raises `InvalidRequestError` (field ``model``: unknown model)."""
+def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, request_id: str,
+                        tools: tool_calls.ToolRequest | None = None) -> GenerateRequest:
+    """Check, tokenize and validate a body (a chat's ``tools`` from `chat_tools`); raises
+    `InvalidRequestError` (field ``model``: unknown model)."""
     check_model(body.model or "", backend.model_name)
     if body.n not in (None, 1):
         raise InvalidRequestError("n", f"only 1 choice per request is supported, got {body.n}")
@@ -104,8 +134,16 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         value = getattr(body, name, None)
         if value is not None and value != default:
             raise InvalidRequestError(name, f"not supported, got {quote(value)}")
+    guided, guided_field = guided_spec(body)
+    if tools is not None and tools.is_forced:
+        if guided is not None:
+            raise InvalidRequestError(guided_field, f"cannot be combined with tool_choice {tools.choice!r}, "
+                                                    "which constrains the output itself")
+        guided, guided_field = tools.guided(), "tools"
     if isinstance(body, ChatBody):
-        token_ids = encode_chat(backend.tokenizer, _chat_messages(body.messages))
+        messages, template_tools = tool_calls.chat_messages(_chat_messages(body.messages), tools,
+                                                            _chat_template(backend.tokenizer))
+        token_ids = encode_chat(backend.tokenizer, messages, tools=template_tools)
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, max_tokens_field)
         if body.top_logprobs is not None and not body.logprobs:
@@ -121,7 +159,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
             token_ids, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=body.seed, stop=_stop_strings(body.stop), stop_token_ids=body.stop_token_ids or (),
-            ignore_eos=bool(body.ignore_eos), logprobs=logprobs,
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, guided=guided, guided_field=guided_field,
         )
     except InvalidRequestError as e:  # name the field as this body spells it
         renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(e.field)
@@ -155,7 +193,7 @@ def _stop_strings(stop: Any) -> list[str]:
     raise InvalidRequestError("stop", "must be a string or a list of strings")
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -168,7 +206,16 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "\n".join(p["text"] for p in content)
         elif not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
-        out.append({"role": m.role, "content": content})
+        message = {"role": m.role, "content": content}
+        if m.tool_calls is not None:
+            if not isinstance(m.tool_calls, list):
+                raise InvalidRequestError(f"messages[{i}].tool_calls", "must be a list of calls")
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
@@ -269,12 +316,36 @@ class ChatResponses(_Responses):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, tools: tool_calls.ToolRequest | None = None, **kwargs):
+        """``tools``: the request's (`chat_tools`); with any but tool_choice "none", the output is
+        parsed into ``tool_calls`` (streamed: as deltas), and a request that called ends with
+        finish_reason ``tool_calls``."""
+        super().__init__(*args, **kwargs)
+        self._parser = tool_calls.ToolCallParser(tools) if tools is not None and tools.choice != "none" else None
+
     def _choice(self, text, reason, logprobs):
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        if self._parser is not None:
+            content, _ = self._parser.feed(text)
+            content += self._parser.finish()[0]
+            message["content"] = content or None
+            if self._parser.made_calls:
+                message["tool_calls"] = self._parser.calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk_choice(self, text, reason, logprobs, is_first):
         delta = {"role": "assistant", "content": text} if is_first else {"content": text}
+        if self._parser is not None:
+            content, calls = self._parser.feed(text)
+            if reason is not None:
+                rest, more = self._parser.finish()
+                content, calls = content + rest, calls + more
+            delta["content"] = content or (None if calls else "")
+            if calls:
+                delta["tool_calls"] = calls
+            if reason == "stop" and self._parser.made_calls:
+                reason = "tool_calls"
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, lps, text_offset):

@@ -46,7 +46,7 @@ def engine_params(req: GenerateRequest) -> EngineSamplingParams:
     return EngineSamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs, guided=s.guided)
 
 
 class _ReplicaFailure(Exception):

@@ -55,13 +55,16 @@ def encode_text(tokenizer: Tokenizer, text: str, field: str = "prompt") -> list[
     return list(tokenizer.encode(text))
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], field: str = "messages") -> list[int]:
-    """``[{"role": ..., "content": ...}, ...]`` through the chat template, then to token ids."""
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], field: str = "messages",
+                tools: list[dict] | None = None) -> list[int]:
+    """``[{"role": ..., "content": ...}, ...]`` through the chat template (which gets ``tools``
+    when given: OpenAI's function definitions), then to token ids."""
     if not messages:
         raise InvalidRequestError(field, "must hold at least one message")
     if any(not m["role"] for m in messages):
         raise InvalidRequestError(field, "every message needs a role")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **({"tools": tools} if tools else {}))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

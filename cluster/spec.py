@@ -288,6 +288,8 @@ class FrontendSpec(_Strict):
     # N > 1: every frontend on the same two ports (SO_REUSEPORT; the kernel spreads connections), or,
     # when false, frontend i on grpc_port + i and http_port + i (each scraped and addressed on its own).
     reuse_port: bool = True
+    # how the model writes tool calls (cluster.tools): auto reads it from the chat template
+    tool_call_format: Literal["auto", "hermes", "llama3"] = "auto"
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "FrontendSpec":
@@ -514,6 +516,7 @@ class FrontendConfig:
     health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
     replicas: int = 1  # frontend processes (`FrontendSpec.replicas`)
     reuse_port: bool = False  # share the ports with the deployment's other frontends (SO_REUSEPORT)
+    tool_call_format: str = "auto"  # auto | hermes | llama3 (cluster.tools)
 
 
 @dataclass(frozen=True)
@@ -594,6 +597,7 @@ def split_spec(spec: Spec) -> ClusterConfig:
         tls_cert_file=f.tls.cert_file if f.tls else None, tls_key_file=f.tls.key_file if f.tls else None,
         api_keys=tuple(spec.auth.resolve_api_keys()), health_interval_s=f.health_interval_s,
         replicas=f.replicas, reuse_port=f.reuse_port and f.replicas > 1,
+        tool_call_format=f.tool_call_format,
     )
     n = spec.network
     ports = lambda r: None if r is None else (r.first, r.last)  # noqa: E731

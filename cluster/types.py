@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.guided import GuidedSpec
 from engine.serving.types import (FinishReason, GenerateDelta, RequestTimeline, StageMetrics, StageTimings,
                                   TokenLogprob)
 
@@ -47,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    guided: GuidedSpec | None = None  # the output must match it (engine.guided); checked by the frontend
 
 
 @dataclass

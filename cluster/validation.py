@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from cluster.errors import quote
 from cluster.types import InvalidRequestError, SamplingParams
+from engine.guided import GuidedError, GuidedSpec, check_spec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -46,6 +47,8 @@ def validate_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    guided: GuidedSpec | None = None,
+    guided_field: str = "guided",
 ) -> SamplingParams:
     """Check a tokenized prompt and its sampling parameters; return the params to run with."""
     n = len(prompt_token_ids)
@@ -88,8 +91,13 @@ def validate_request(
                                   f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {quote(logprobs)}")
+    if guided is not None:
+        try:
+            check_spec(guided)  # the grammar engine parses it; the replicas compile it against the vocabulary
+        except GuidedError as e:
+            raise InvalidRequestError(guided_field, str(e)) from None
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k,
         min_p=min_p, seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=ignore_eos, logprobs=logprobs,
+        ignore_eos=ignore_eos, logprobs=logprobs, guided=guided,
     )

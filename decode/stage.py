@@ -13,7 +13,9 @@ Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
    the client (`EngineCore.admit_prefilled`; the detokenizer is primed
    with it), so this replica streams from the second token on. FAILED (peer
    died, lease expired, aborted): the blocks are already freed and the
-   request ends with an error.                                  [running]
+   request ends with an error. A guided request joins the batch once its
+   grammar (compiled from the `Reserve` on) is ready, its state rebuilt from
+   its output so far.                                           [running]
 3. Each step appends a token to every running sequence; one `Deltas` frame
    per step carries them. Under block pressure the engine preempts the
    newest sequence and re-prefills it here later: never dropped.
@@ -91,6 +93,7 @@ class DecodeStage(StageLoop):
             seq = Sequence(rid, list(frame.prompt_token_ids), frame.params,
                            output_token_ids=list(frame.output_token_ids))
             self.core.check_prompt(seq.token_ids, frame.params.max_tokens - seq.num_output_tokens)
+            self.core.prepare_grammar(frame.params)  # compiles while the KV comes; admitted once both are in
         except Exception as e:
             self._refuse(ch, rid, e)
             return

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.guided import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
 from engine.kv_manager import KVCacheManager
 from engine.model import LayerHook, LlamaModel
 from engine.profiling import SCHEDULE, UPDATE, phase
 from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving.types import LoadReport
@@ -85,7 +88,10 @@ class EngineCore:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, config.block_size, self.max_model_len,
                                               config.max_num_seqs, sink_block=num_blocks)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.grammars: GrammarCompiler | None = None  # set by enable_guided
         self._seqs: dict[str, Sequence] = {}
+        # guided sequences waiting for their grammar to compile: id -> (seq, future, admitted prefilled)
+        self._compiling: dict[str, tuple[Sequence, Future, bool]] = {}
         self.num_steps = 0
         if tp_group is not None:
             tp_group.finish_start(num_blocks, self.kv_caches)
@@ -94,6 +100,22 @@ class EngineCore:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self.grammars is not None:
+            self.grammars.close()
+
+    def enable_guided(self, hf_tokenizer) -> None:
+        """Take guided requests (engine.guided), with the checkpoint's tokenizer; call once
+        ``eos_token_ids`` is complete (a finished grammar allows only those)."""
+        self.grammars = GrammarCompiler(hf_tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
+    def prepare_grammar(self, params: SamplingParams) -> Future | None:
+        """Start compiling ``params.guided`` off this thread (cached by spec); None when unguided.
+        A decode replica calls it on a reservation, so the grammar compiles while the KV comes."""
+        if params.guided is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("guided: this replica has no tokenizer to build a grammar's vocabulary from")
+        return self.grammars.compile(params.guided)
 
     # ---- requests ------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int = 1) -> None:
@@ -117,17 +139,23 @@ class EngineCore:
             raise ValueError(f"request_id: {seq.request_id!r} is already running")
         # a resumed sequence computes its output so far with the prompt
         self.check_prompt(seq.token_ids, 1 if seq.prefill_only else seq.params.max_tokens - seq.num_output_tokens)
+        grammar = self.prepare_grammar(seq.params)
         if not seq.eos_token_ids:
             seq.eos_token_ids = self.eos_token_ids
         self._seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if grammar is None:
+            self.scheduler.add(seq)
+        else:  # scheduled once its grammar compiled; other requests step meanwhile
+            self._compiling[seq.request_id] = (seq, grammar, False)
 
     def admit_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
         """Admit a sequence whose prompt KV (and that of any output it resumes
         after) another replica computed into ``block_ids`` (taken from this
         pool), with the token it sampled there, already sent to the client:
         the sequence runs from the token after it. Returns whether the first token already ended it (stop
-        token, EOS, max_tokens); then its blocks are freed and it never runs."""
+        token, EOS, max_tokens); then its blocks are freed and it never runs. A guided sequence runs
+        once its grammar compiled, its state rebuilt from the output tokens so far."""
+        grammar = self.prepare_grammar(seq.params)
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = seq.num_tokens  # the prompt and any output it resumed after
         seq.output_token_ids.append(first_token)
@@ -136,10 +164,13 @@ class EngineCore:
             seq.eos_token_ids = self.eos_token_ids
         self._seqs[seq.request_id] = seq
         self.kv.cache_full_blocks(seq)
-        self.scheduler.add_running(seq)
         stop = self.scheduler.check_stop(seq, first_token)
         if stop is not None:
             self.finish(seq, stop)
+        elif grammar is None:
+            self.scheduler.add_running(seq)
+        else:
+            self._compiling[seq.request_id] = (seq, grammar, True)
         return seq.is_finished
 
     def free_prefilled(self, seq: Sequence) -> None:
@@ -154,6 +185,7 @@ class EngineCore:
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
               error: str | None = None) -> Sequence | None:
         seq = self._seqs.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, status, error)
         return seq
@@ -161,9 +193,10 @@ class EngineCore:
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
         self._seqs.pop(seq.request_id, None)
+        self._compiling.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)
@@ -178,7 +211,8 @@ class EngineCore:
     def load(self, replica_id: str, is_alive: bool = True, num_sending: int = 0, num_incoming: int = 0) -> LoadReport:
         """What a replica reports to the router."""
         return LoadReport(replica_id, is_alive, self.scheduler.num_queued_prefill_tokens(),
-                          len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
+                          len(self.scheduler.running), len(self.scheduler.waiting) + len(self._compiling),
+                          self.pool.num_free_blocks,
                           self.pool.num_blocks, num_sending, num_incoming)
 
     # ---- the loop ------------------------------------------------------
@@ -186,15 +220,18 @@ class EngineCore:
         """One schedule → execute → update round. ``on_batch`` sees the scheduled
         batch before the forward pass and may return a per-layer hook (the
         prefill stage starts KV sends there)."""
+        failed = self._start_compiled() if self._compiling else []
         with phase(SCHEDULE):
             sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._compiling and not failed:  # only grammars to wait for: give their thread the GIL
+                wait([f for _, f, _ in self._compiling.values()], timeout=0.002, return_when=FIRST_COMPLETED)
+            return failed
         layer_hook = on_batch(sched) if on_batch is not None else None
         sampled = self.runner.execute(sched.scheduled, layer_hook)
         self.num_steps += 1
         now = time.monotonic()
-        outputs = []
+        outputs = failed
         with phase(UPDATE):
             for seq in self.scheduler.update(sched, sampled):
                 m = seq.metrics
@@ -206,3 +243,24 @@ class EngineCore:
                     self._seqs.pop(seq.request_id, None)
                 outputs.append(StepOutput(seq, [seq.output_token_ids[-1]]))
         return outputs
+
+    def _start_compiled(self) -> list[StepOutput]:
+        """Sequences whose grammar compiled join the scheduler, the state rebuilt
+        from their output so far; those whose grammar failed end with the error."""
+        failed = []
+        for rid, (seq, grammar, prefilled) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[rid]
+            try:
+                seq.grammar = GrammarState(grammar.result(), seq.output_token_ids)
+            except Exception as e:  # GuidedError names the problem
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, str(e))
+                self._seqs.pop(rid, None)
+                failed.append(StepOutput(seq, []))
+                continue
+            if prefilled:
+                self.scheduler.add_running(seq)
+            else:
+                self.scheduler.add(seq)
+        return failed

@@ -71,6 +71,7 @@ class LLM:
             del weights
         if self.tokenizer is not None:
             self.core.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
+            self.core.enable_guided(self.tokenizer.hf)
         self.outputs = OutputProcessor(self.tokenizer)
         self._texts: dict[str, str] = {}  # request id -> its text so far
         self._ids = itertools.count()
@@ -166,7 +167,7 @@ class LLM:
             return [final[i] for i in ids]
         finally:
             for i in ids:
-                if self.core.scheduler.find(i) is not None:
+                if self.core.get(i) is not None:
                     self.abort(i)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -191,5 +192,5 @@ class LLM:
                         if ro.finished:
                             return
         finally:
-            if self.core.scheduler.find(rid) is not None:
+            if self.core.get(rid) is not None:
                 self.abort(rid)

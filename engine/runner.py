@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import BatchMetadata, PrefillChunk
+from engine.guided import apply_masks
 from engine.model import LayerHook, LlamaModel
 from engine.profiling import FORWARD, SAMPLE, phase
 from engine.sampler import Sampler
@@ -86,7 +87,10 @@ class ModelRunner:
         if not samplers:
             return {}
         with phase(SAMPLE):
-            logits = self.model.compute_logits(hidden[sample_rows])
+            logits = self.model.compute_logits(hidden[sample_rows])  # [len(samplers), V]
+            guided = [i for i, s in enumerate(samplers) if s.seq.grammar is not None]
+            if guided:
+                apply_masks(logits, [samplers[i].seq.grammar for i in guided], guided)
             tokens, infos = self.sampler(
                 logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

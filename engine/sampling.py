@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import math
 from numbers import Real
 
+from engine.guided import GuidedSpec
+
 # Temperatures below this sample as greedy: dividing logits by a smaller one
 # overflows float32 (inf - inf = nan in the softmax), and the distribution is
 # an argmax to float precision long before that.
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
     skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None  # the output must match this (engine.guided)
 
     def __post_init__(self):
         if self.top_k == 0 and not isinstance(self.top_k, bool):
@@ -72,3 +75,5 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer")
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            bad("guided", "must be an engine.guided.GuidedSpec")

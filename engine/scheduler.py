@@ -144,6 +144,10 @@ class Scheduler:
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs)
             produced.append(seq)
+            if seq.grammar is not None and not seq.grammar.accept(token):  # the mask makes this a bug
+                self.finish(seq, SequenceStatus.FINISHED_ERROR,
+                            f"guided: sampled token {token} is outside the grammar")
+                continue
             status = self.check_stop(seq, token)
             if status is not None:
                 self.finish(seq, status)
@@ -157,6 +161,8 @@ class Scheduler:
         if not p.ignore_eos and token in seq.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_terminated:  # took its stop token (ignore_eos or not)
             return SequenceStatus.FINISHED_STOPPED
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

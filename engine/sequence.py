@@ -92,6 +92,7 @@ class Sequence:
     # prefill-only sequences stop after their first token and keep their blocks
     # (the prefill stage frees them once the KV transfer has finished)
     prefill_only: bool = False
+    grammar: object | None = None  # engine.guided.GrammarState of a guided sequence, once its grammar compiled
 
     @property
     def token_ids(self) -> list[int]:

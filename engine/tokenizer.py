@@ -63,6 +63,17 @@ class Tokenizer:
             eos |= set(_ids(_json_file(folder / name).get("eos_token_id")))
         return cls(hf, eos, source=str(folder))
 
+    @property
+    def hf(self):
+        """The transformers tokenizer underneath (the grammar engine builds its vocabulary from it)."""
+        return self._tok
+
+    @property
+    def chat_template(self) -> str:
+        """The checkpoint's chat template text ("" when it has none)."""
+        template = getattr(self._tok, "chat_template", None) or ""
+        return template if isinstance(template, str) else json.dumps(template)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
@@ -70,15 +81,17 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str:
-        """The prompt text for a conversation, per the checkpoint's chat template."""
+                            tokenize: bool = False, tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation, per the checkpoint's chat template
+        (which receives ``tools``, OpenAI's function definitions, when given)."""
         if not getattr(self._tok, "chat_template", None):
             raise TokenizerError(
                 f"{self._source or 'this tokenizer'}: the checkpoint has no chat template; "
                 "send a plain prompt instead of messages"
             )
         return self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
         )
 
 

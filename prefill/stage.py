@@ -16,9 +16,10 @@ Life-cycle of a request in a prefill replica (frames of `engine.serving.frames`)
    that pass runs is picked up between layers: the layers written so far go
    at once, the rest as they are written (`late_ticket_overlap`; on CPU it
    goes after the pass).                                    [transferring]
-3. The first token is sampled and sent to the frontend at once, as a
-   `FirstToken` with its text and logprobs, ahead of the transfer's
-   outcome; the sender commits it to the decode replica, which streams
+3. The first token is sampled (under the request's grammar, if guided:
+   the sequence waits in the engine until its grammar compiled) and sent
+   to the frontend at once, as a `FirstToken` with its text and logprobs,
+   ahead of the transfer's outcome; the sender commits it to the decode replica, which streams
    from the second token on. The prompt's blocks stay held, since the
    sender still reads them. (A prompt computed before its ticket came is
    sent whole, all layers at once, when the ticket comes.)     [committing]
@@ -203,6 +204,10 @@ class PrefillStage(StageLoop):
             for out in self.core.step(self._on_batch):
                 job = self._jobs.get(out.seq.request_id)
                 if job is None:
+                    continue
+                if out.seq.status == SequenceStatus.FINISHED_ERROR:  # its grammar did not compile
+                    del self._jobs[out.seq.request_id]
+                    self._refuse(job.ch, out.seq.request_id, out.seq.error)
                     continue
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue

@@ -93,6 +93,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     try:
         tokenizer = Tokenizer.from_folder(model_dir)
         core.eos_token_ids |= frozenset(tokenizer.eos_token_ids)
+        core.enable_guided(tokenizer.hf)
     except TokenizerError:
         tokenizer = None
     return core, tokenizer
@@ -230,6 +231,12 @@ class StageLoop:
         """A step's outputs as deltas: one frame per channel."""
         frames: dict[ChannelClient, list[GenerateDelta]] = {}
         for out in step_outputs:
+            if out.seq.status == SequenceStatus.FINISHED_ERROR:  # its grammar: the input's fault, not the replica's
+                self.outputs.discard(out.seq.request_id)
+                ch = self._routes.get(out.seq.request_id)
+                if ch is not None:
+                    self._refuse(ch, out.seq.request_id, out.seq.error)
+                continue
             delta, stopped = self.outputs.process(out.seq, out.new_token_ids)
             if stopped:
                 self.core.finish(out.seq, SequenceStatus.FINISHED_STOPPED)

@@ -13,7 +13,9 @@ from decode.stage import DecodeStage
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from engine.serving.frames import Abort, Attach, FirstToken, Prefill, PrefillDone, Reserve, TicketReady
+from engine.guided import GuidedSpec
+from engine.serving.frames import (Abort, Attach, FirstToken, Prefill, PrefillDone, Refused, Reserve, Submit,
+                                   TicketReady)
 from engine.serving.types import FinishReason
 from kvtransfer.config import ReceiverConfig, SenderConfig
 from prefill.stage import PrefillStage
@@ -282,4 +284,36 @@ def test_a_reservation_waits_for_blocks_while_the_pool_is_short(reference, stage
     first, _ = prefill.until("small", FirstToken)
     deltas = decode.stream("small")
     assert _ids(first, deltas) == reference.generate([p], GREEDY)[0].token_ids
+    assert wait_free(prefill.stage, decode.stage)
+
+
+@pytest.mark.parametrize("ticket_first", [True, False], ids=["ticket-first", "ticket-after-prefill"])
+def test_a_guided_request_across_the_seam_equals_the_engine(reference, stages, ticket_first):
+    """The prefill replica samples the first token under the grammar; the
+    decode replica rebuilds the grammar from it and goes on: the tokens equal
+    the offline engine's guided run."""
+    prefill, decode = stages
+    spec = GuidedSpec.json_schema({"type": "object", "additionalProperties": False, "required": ["n"],
+                                   "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}})
+    params = SamplingParams(max_tokens=24, temperature=0, guided=spec)
+    p = random_prompts(1, 96, [20], seed=11)[0]
+    want = reference.generate(p, params)[0]
+    assert want.finish_reason == "stop"
+    first, deltas, done = disaggregated(prefill, decode, f"g-{ticket_first}", p, params, ticket_first)
+    assert done.ok, done.error
+    assert _ids(first, deltas) == want.token_ids and deltas[-1].finish_reason == "stop"
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_grammar_the_replica_cannot_compile_is_refused_there(stages):
+    """A spec no frontend checked: the replica refuses the request (its input,
+    not a replica failure, so nothing migrates it) and holds nothing for it."""
+    prefill, decode = stages
+    params = SamplingParams(max_tokens=8, temperature=0, guided=GuidedSpec("regex", "(unclosed"))
+    p = random_prompts(1, 96, [10], seed=12)[0]
+    prefill.send(Prefill("bad-p", p, params))
+    decode.send(Submit("bad-d", p, params))
+    for driver, rid in ((prefill, "bad-p"), (decode, "bad-d")):
+        event = driver.next(rid)
+        assert isinstance(event, Refused) and "regex: cannot be compiled" in event.error, event
     assert wait_free(prefill.stage, decode.stage)
