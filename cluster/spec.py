@@ -96,6 +96,8 @@ class StageSpec(_Strict):
     # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
     # fails at start rather than under load, and no request pays the first write's page faults
     kv_cache_prefault: bool = True
+    # matmul weights kept quantized on CPU replicas (engine.config.EngineConfig.quantization)
+    quantization: Literal["none", "int8", "gguf"] = "none"
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -135,6 +137,7 @@ class StageSpec(_Strict):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             kv_cache_prefault=self.kv_cache_prefault,
+            quantization=self.quantization,
             seed=seed,
             **kwargs,
         )

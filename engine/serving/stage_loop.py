@@ -81,7 +81,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     normal_priority()  # a replacement loads its model while the other replicas serve: not from niceness 15
     if num_threads:
         torch.set_num_threads(num_threads)
-    model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
+    model_config, weights = load_checkpoint(Path(model_dir), torch.float32, quantization=config.quantization)
     core = EngineCore(model_config, weights, config)
     try:
         tokenizer = Tokenizer.from_folder(model_dir)
