@@ -187,3 +187,25 @@ def test_quantization_names_agree_with_the_engine_config():
     from engine import config
 
     assert config.QUANTIZATIONS == QUANTIZATIONS
+
+
+def test_bench_names_each_weight_format_and_isa_path(tmp_path, capsys, quant_isa):
+    """python -m engine.bench --quantization: one column per (format, path) against one
+    transformers run, each with its own memory wall."""
+    import re
+
+    from engine.bench import main
+    from tests.engine.factories import save_tiny_model
+
+    save_tiny_model(tmp_path / "m")
+    md = tmp_path / "BENCHMARKS.md"
+    assert main(["--model", str(tmp_path / "m"), "--dtype", "float32", "--prompt-len", "8", "--new-tokens", "4",
+                 "--batch", "2", "--isa", quant_isa, "--quantization", "none,int8", "--write",
+                 "--section", "## Quantized weights", "--benchmarks-file", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert f"| metric | kvrelay float32 torch ops | kvrelay int8 {quant_isa} | transformers |" in out
+    for label in ("float32 torch ops", f"int8 {quant_isa}"):
+        assert f"| part of one single-stream decode step ({label}) | ms |" in out
+    assert len(re.findall(r"\| bound: [\d.]+ MB of weights read", out)) == 2
+    text = md.read_text()
+    assert "## Quantized weights" in text and "weights `none`, `int8` (kvrelay)" in text
