@@ -17,6 +17,11 @@ math). The best one the CPU runs is used unless a caller names one
 reference to bf16 rounding, and each is batch invariant on its own
 (tests/engine/test_kernels.py); they differ from each other in the last bits
 (vdpbf16ps adds a k-pair's two products before accumulating).
+
+`QuantOps` runs a model whose matmul weights stay quantized (engine/quant.py,
+`EngineConfig.quantization`) on the same builds: fp32 activations, the
+weights' codes widened in registers (csrc/matmul_quant.cpp), the fp32 build
+of the elementwise kernels, and `QuantFusedDecoder` for decode batches.
 """
 from __future__ import annotations
 
