@@ -104,6 +104,8 @@ class StageSpec(_Strict):
     # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
     # fails at start rather than under load, and no request pays the first write's page faults
     kv_cache_prefault: bool = True
+    # matmul weights kept quantized on CPU replicas (engine.config.EngineConfig.quantization)
+    quantization: Literal["none", "int8", "gguf"] = "none"
 
     @field_validator("placement_strategy")
     @classmethod
@@ -152,6 +154,7 @@ class StageSpec(_Strict):
             tensor_parallel_size=self.tensor_parallel_size,
             tp_backend=self.tp_backend,
             tp_timeout_s=self.tp_timeout_s,
+            quantization=self.quantization,
             seed=seed,
             **kwargs,
         )

@@ -3,6 +3,8 @@
     python -m engine.bench                        # print the table
     python -m engine.bench --write                # also replace `## Engine` in BENCHMARKS.md
     python -m engine.bench --isa avx512bf16,avx2  # each kernel ISA path, side by side, one run
+    python -m engine.bench --quantization none,gguf,int8 --isa avx512bf16,avx2
+                                                  # every weight format on every path, one run
     python -m engine.bench --profile runs/prof    # only: torch.profiler over decode steps
     kvrelay bench-engine ...                      # the same, from the CLI
 
@@ -18,7 +20,11 @@ Figures (greedy, EOS ignored, same random prompts for both):
   give (batch: times the batch, since one step's weight read serves all).
 
 Each kernel ISA path asked for (`--isa`, engine/kernels.py; bf16 on CPU) runs
-in the same process, one after another, against one transformers run.
+in the same process, one after another, against one transformers run; with
+`--quantization`, each weight format on each path ("none": `--dtype`; "gguf",
+"int8": quantized weights with fp32 activations, engine/quant.py), each column
+named by its format and ISA path. The memory wall counts the bytes of the
+weights as each format stores them.
 
 The engine runs with the prefix cache off, since transformers has none and
 the same prompts are run repeatedly. Each workload is warmed up once (same
@@ -52,7 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", type=_isa_list, default=["auto"], metavar="ISA[,ISA...]",
                    help="CPU kernel ISA paths to run, comma-separated: auto (the best this CPU runs), "
                         "avx512bf16, avx2, none (torch's ops); several run side by side")
+    p.add_argument("--quantization", type=_quant_list, default=["none"], metavar="Q[,Q...]",
+                   help="weight formats to run, comma-separated: none (--dtype), gguf (the GGUF's own "
+                        "blocks), int8; each on every --isa path")
     p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
+    p.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --write replaces")
     p.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE, help=argparse.SUPPRESS)
     p.add_argument("--profile", metavar="DIR", type=Path, default=None,
                    help="instead of the comparison, profile a few engine decode steps: "
@@ -66,6 +76,16 @@ def _isa_list(text: str) -> list[str]:
     bad = [n for n in names if n not in KERNEL_ISAS]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(KERNEL_ISAS)}")
+    return names
+
+
+def _quant_list(text: str) -> list[str]:
+    from engine.config import QUANTIZATIONS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in QUANTIZATIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(QUANTIZATIONS)}")
     return names
 
 
@@ -271,9 +291,11 @@ def provenance(command: str | None = None) -> str:
 
 
 def section(body: str, args, model_name: str, command: str, isas: list[str]) -> str:
-    return f"""{SECTION}
+    formats = "" if args.quantization == ["none"] else \
+        f" (transformers), weights {', '.join('`' + q + '`' for q in args.quantization)} (kvrelay)"
+    return f"""{args.section}
 
-`engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}, greedy, EOS ignored,
+`engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}{formats}, greedy, EOS ignored,
 kernel ISA path {" and ".join(f"`{n}`" for n in isas)} (engine/kernels.py; the CPU runs {cpu_isa_text()}),
 same random prompts, one process, each workload warmed up once (`engine/bench.py`).
 Ratio: how many times better kvrelay is (throughput: kvrelay / transformers; time to first
@@ -352,11 +374,13 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     model_dir = resolve_model(args.model)
     model_name = Path(model_dir).name if args.model else "SmolLM2-135M-Instruct"
 
-    def make_llm(isa: str):
-        return LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=False, kernel_isa=isa,
-                   max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+    def make_llm(run: tuple[str, str]):
+        quant, isa = run
+        return LLM(str(model_dir), dtype=args.dtype if quant == "none" else "float32", enable_prefix_caching=False,
+                   kernel_isa=isa, quantization=quant, max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
 
-    llm = make_llm(args.isa[0])
+    runs = [(q, isa) for q in args.quantization for isa in args.isa]
+    llm = make_llm(runs[0])
     prompts = make_prompts(args.batch + 1, args.prompt_len, llm.model_config.vocab_size)
     prompt, batch = prompts[0], prompts[1:]
 
@@ -367,10 +391,14 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
 
     kvs: dict[str, Figures] = {}
     parts: dict[str, Breakdown] = {}
-    for i, isa in enumerate(args.isa):
-        llm = llm if i == 0 else make_llm(isa)
+    paths: list[str] = []  # the kernel ISA path of each run
+    for i, run in enumerate(runs):
+        llm = llm if i == 0 else make_llm(run)
         label = isa_label(llm)
-        print(f"kvrelay ({model_name}, {args.dtype}, kernel ISA path: {label}) ...", file=sys.stderr)
+        paths.append(label)
+        if args.quantization != ["none"]:
+            label = f"{args.dtype if run[0] == 'none' else run[0]} {label}"
+        print(f"kvrelay ({model_name}, {label}) ...", file=sys.stderr)
         kvs[label] = bench_kvrelay(llm, prompt, batch, args.new_tokens)
         parts[label] = decode_breakdown(llm, prompt, args.new_tokens)
         assert llm.core.pool.is_fully_free()
@@ -389,8 +417,9 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     print(body)
     if args.write:
         command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
-        write_section(section(body, args, model_name, command.strip(), list(kvs)), args.benchmarks_file)
-        print(f"wrote the '{SECTION}' section of {args.benchmarks_file}", file=sys.stderr)
+        write_section(section(body, args, model_name, command.strip(), list(dict.fromkeys(paths))),
+                      args.benchmarks_file)
+        print(f"wrote the '{args.section}' section of {args.benchmarks_file}", file=sys.stderr)
     return 0
 
 

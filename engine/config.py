@@ -129,6 +129,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 TP_BACKENDS = ("shm", "gloo")
 # engine.kernels.KERNEL_ISAS (a test holds them equal; config imports no torch)
 KERNEL_ISAS = ("auto", "avx512bf16", "avx2", "none")
+# engine.quant.QUANTIZATIONS (a test holds them equal)
+QUANTIZATIONS = ("none", "int8", "gguf")
 
 
 @dataclass
@@ -156,12 +158,30 @@ class EngineConfig:
     # CPU bf16: which native kernel build runs (engine/kernels.py): "auto", the best this
     # CPU runs; "avx512bf16" or "avx2" (an error where the CPU lacks it); "none", torch's ops
     kernel_isa: str = "auto"
+    # matmul weights kept quantized (engine/quant.py), computed on with fp32 activations by the
+    # native CPU kernels: "none"; "int8", per-row int8 made at load from any checkpoint; "gguf",
+    # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as stored
+    quantization: str = "none"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernel_isa not in KERNEL_ISAS:
             raise ConfigError(f"kernel_isa: must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none":
+            q = f"quantization: {self.quantization!r}"
+            if not self.device.startswith("cpu"):
+                raise ConfigError(f"{q} runs on CPU only (device {self.device!r})")
+            if self.dtype not in ("auto", "float32"):
+                raise ConfigError(f"{q} computes with fp32 activations on the quantized weights; dtype must be "
+                                  f"'auto' or 'float32', got {self.dtype!r}")
+            if self.kernel_isa == "none":
+                raise ConfigError(f"{q} needs a native CPU kernel path; kernel_isa 'none' runs torch's ops")
+            if self.tensor_parallel_size != 1:
+                raise ConfigError(f"{q} is not supported with tensor_parallel_size {self.tensor_parallel_size} "
+                                  "yet (the shards of a quantized weight are not cut); use 1")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -23,11 +23,14 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.serving.types import LoadReport
 
 
-def pick_dtype(name: str, device: str) -> str:
+def pick_dtype(name: str, device: str, quantization: str = "none") -> str:
     """`auto`: bf16 where the hardware runs it fast (CUDA; CPUs where a native kernel
-    ISA path builds, AVX2 included, or with AMX: `engine.kernels.cpu_runs_bf16_fast`), else fp32."""
+    ISA path builds, AVX2 included, or with AMX: `engine.kernels.cpu_runs_bf16_fast`), else fp32.
+    Quantized weights always compute with fp32 activations (and an fp32 KV cache)."""
     if name != "auto":
         return name
+    if quantization != "none":
+        return "float32"
     if device.startswith("cuda"):
         return "bfloat16"
     from engine.kernels import cpu_runs_bf16_fast
@@ -54,7 +57,7 @@ class EngineCore:
             raise ConfigError("tensor_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
         self.config = config
         self.model_config = model_config
-        self.dtype_name = pick_dtype(config.dtype, config.device)
+        self.dtype_name = pick_dtype(config.dtype, config.device, config.quantization)
         dtype = torch_dtype(self.dtype_name)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:
@@ -63,7 +66,8 @@ class EngineCore:
                 f"({model_config.max_position_embeddings})")
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
                                 kernel_isa=config.kernel_isa, shard=shard,
-                                comm=tp_group.comm if tp_group is not None else None)
+                                comm=tp_group.comm if tp_group is not None else None,
+                                quantization=config.quantization)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
                                              num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)

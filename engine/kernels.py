@@ -17,6 +17,11 @@ math). The best one the CPU runs is used unless a caller names one
 reference to bf16 rounding, and each is batch invariant on its own
 (tests/engine/test_kernels.py); they differ from each other in the last bits
 (vdpbf16ps adds a k-pair's two products before accumulating).
+
+`QuantOps` runs a model whose matmul weights stay quantized (engine/quant.py,
+`EngineConfig.quantization`) on the same builds: fp32 activations, the
+weights' codes widened in registers (csrc/matmul_quant.cpp), the fp32 build
+of the elementwise kernels, and `QuantFusedDecoder` for decode batches.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ log = logging.getLogger(__name__)
 # Decode batches up to this many tokens run through FusedDecoder.
 MAX_FUSED_ROWS = 256
 _CSRC = Path(__file__).parent / "csrc"
-_SRCS = [_CSRC / n for n in ("matmul_bf16.cpp", "cpu_ops.cpp", "decode_step.cpp")]
+_SRCS = [_CSRC / n for n in ("matmul_bf16.cpp", "matmul_quant.cpp", "cpu_ops.cpp", "decode_step.cpp")]
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,7 @@ class TorchOps:
 
     linear = staticmethod(F.linear)
     packs_weights = False  # matmul weights stay plain [N, K] tensors
+    quantizes_weights = False  # (QuantOps: they are engine.quant.QuantWeight)
 
     @staticmethod
     def logits(hidden, lm_head):  # [N, H] -> [N, vocab] float32
@@ -283,6 +289,51 @@ class NativeOps(TorchOps):
                                                meta.decode_context_lens, scale)
 
 
+class QuantOps(NativeOps):
+    """fp32 activations on quantized matmul weights (engine.quant.QuantWeight,
+    EngineConfig.quantization) through the compiled kernels of one ISA: each
+    matmul reads the weights as they are stored and dequantizes them in
+    registers (csrc/matmul_quant.cpp); the elementwise kernels are NativeOps'
+    in their fp32 build; tied embeddings are rows of the quantized LM head."""
+
+    packs_weights = False  # the model quantizes its matmul weights instead (LlamaModel.select_kernels)
+    quantizes_weights = True
+
+    def linear(self, x, w):
+        # x: [T, K] fp32, w: QuantWeight [N, K] (or a plain tensor) -> [T, N] fp32
+        from engine.quant import QuantWeight
+
+        if isinstance(w, QuantWeight):
+            return self.ext.linear_quant(x, w.q, w.scales, w.mins, w.n, w.bits)
+        return F.linear(x, w)
+
+    def logits(self, hidden, lm_head):
+        return self.linear(hidden, lm_head).float()
+
+    def embedding(self, ids, w):
+        from engine.quant import QuantWeight
+
+        if isinstance(w, QuantWeight):
+            return w.rows(ids)
+        return F.embedding(ids, w)
+
+    def fused_decoder(self, model):
+        """A QuantFusedDecoder over `model`'s weights, or None where a matmul weight is not quantized."""
+        from engine.quant import QuantWeight
+
+        mats = ("qkv_w", "o_w", "gate_up_w", "down_w")
+        if not all(isinstance(getattr(L, n), QuantWeight) for L in model.layers for n in mats):
+            return None
+        empty = torch.empty(0)
+        layers = [[L.in_norm, L.post_norm, _or(L.qkv_b, empty), _or(L.q_norm, empty), _or(L.k_norm, empty)]
+                  + [t for n in mats for t in getattr(L, n).tensors()] for L in model.layers]
+        bits = [[getattr(L, n).bits for n in mats] for L in model.layers]
+        cfg = model.cfg
+        return self.ext.QuantFusedDecoder(layers, bits, model.norm, model.rotary.cos, model.rotary.sin,
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          model.layers[0].down_w.k, cfg.rms_norm_eps, model.scale)
+
+
 def _or(t, default):
     return default if t is None else t
 
@@ -306,6 +357,26 @@ def make_ops(dtype: torch.dtype, device: torch.device, enable: bool = True, isa:
         why = "did not build (see the log)" if isa in cpu_isas() else f"needs CPU flags {_isa(isa).cpu_flags}"
         raise ValueError(f"kernel_isa: {isa!r} is not available on this machine: it {why}")
     return NativeOps(ext)
+
+
+def make_quant_ops(device: torch.device, isa: str = "auto") -> QuantOps:
+    """QuantOps on the kernels of `isa` (one of KERNEL_ISAS but "none"); a ValueError
+    where the device is not a CPU or no native path runs here: quantized weights
+    are only ever computed on by the native kernels."""
+    if isa not in KERNEL_ISAS:
+        raise ValueError(f"kernel_isa: must be one of {KERNEL_ISAS}, got {isa!r}")
+    if device.type != "cpu":
+        raise ValueError(f"quantization: runs on CPU only (device {str(device)!r})")
+    if isa == "none":
+        raise ValueError("quantization: needs a native CPU kernel path; kernel_isa 'none' runs torch's ops")
+    ext = load_native_ops(None if isa == "auto" else isa)
+    if ext is None:
+        if isa == "auto":
+            raise ValueError("quantization: needs a native CPU kernel path (AVX2 + FMA or AVX-512 BF16); "
+                             f"this CPU runs {', '.join(cpu_isas()) or 'none'} and none built (see the log)")
+        why = "did not build (see the log)" if isa in cpu_isas() else f"needs CPU flags {_isa(isa).cpu_flags}"
+        raise ValueError(f"kernel_isa: {isa!r} is not available on this machine: it {why}")
+    return QuantOps(ext)
 
 
 def _isa(name: str) -> Isa:

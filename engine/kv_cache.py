@@ -96,6 +96,15 @@ def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -
     Values are strings so the handshake can compare field by field and name
     the first field that differs. ``num_kv_heads`` is the model's (all ranks);
     the KV transfer adds each rank's heads (kvtransfer.layout.with_layout).
+
+    The weights' format (EngineConfig.quantization) is deliberately not in it:
+    replicas whose weights are stored differently may share a deployment (say
+    a gguf prefill pool and an int8 decode pool) whenever what actually moves
+    agrees, the KV dtype and layout checked here. A quantized replica computes
+    with fp32 activations and holds an fp32 KV cache, so it pairs with fp32 or
+    other quantized replicas and is refused by a bf16 one (field `dtype`). Its
+    KV is that of the same model to quantization error: for gguf the function
+    of the dequantized fp32 weights exactly (tests/engine/test_quant_model.py).
     """
     fp = {
         "architecture": model.architecture,

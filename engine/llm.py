@@ -43,6 +43,7 @@ class LLM:
         tp_backend: str = "shm",
         tp_timeout_s: float = 60.0,
         kernel_isa: str = "auto",
+        quantization: str = "none",
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -54,7 +55,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s,
-            kernel_isa=kernel_isa)
+            kernel_isa=kernel_isa, quantization=quantization)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         try:
@@ -66,7 +67,7 @@ class LLM:
 
             self.core = start_engine(self.model_dir, config)  # ranks 1..N-1 in processes of their own
         else:
-            model_config, weights = load_checkpoint(self.model_dir, torch.float32)
+            model_config, weights = load_checkpoint(self.model_dir, torch.float32, quantization=config.quantization)
             self.core = EngineCore(model_config, weights, config)
             del weights
         if self.tokenizer is not None:

@@ -10,6 +10,12 @@ Tensor parallelism is applied from outside: the weights come already cut by
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
 gather of the vocab-parallel logits). At TP=1 both are no-ops.
+
+Quantization is applied from outside too: `quantization` "int8" quantizes the
+fp32 matmul weights at load (engine.quant), "gguf" takes them as the GGUF file
+stores them (engine.quant.QuantRows in `weights`); either way they are packed
+into engine.quant.QuantWeight and the model computes in fp32 on them
+(engine.kernels.QuantOps).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.kernels import MAX_FUSED_ROWS, PackedWeight, make_ops
 from engine.parallel.comm import SINGLE, Collectives
 from engine.parallel.sharding import ShardLayout
+from engine.quant import QuantRows, QuantWeight, quantize_int8
 
 LayerHook = Callable[[int], None]
 
@@ -78,8 +85,9 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", max_positions: int | None = None,
                  use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
-                 comm: Collectives | None = None):
+                 comm: Collectives | None = None, quantization: str = "none"):
         self.cfg = cfg
+        self.quantization = quantization
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
         self.dtype = dtype
@@ -96,21 +104,21 @@ class LlamaModel:
             L = Layer()
             L.in_norm = w.take(p + "input_layernorm.weight", (H,))
             L.post_norm = w.take(p + "post_attention_layernorm.weight", (H,))
-            L.qkv_w = torch.cat([
+            L.qkv_w = _cat([
                 w.take(p + "self_attn.q_proj.weight", (self.q_size, H)),
                 w.take(p + "self_attn.k_proj.weight", (self.kv_size, H)),
                 w.take(p + "self_attn.v_proj.weight", (self.kv_size, H)),
-            ]).contiguous()
+            ], p + "self_attn.q|k|v_proj")
             L.qkv_b = torch.cat([
                 w.take(p + "self_attn.q_proj.bias", (self.q_size,)),
                 w.take(p + "self_attn.k_proj.bias", (self.kv_size,)),
                 w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
             ]) if cfg.attention_bias else None
             L.o_w = w.take(p + "self_attn.o_proj.weight", (H, self.q_size))
-            L.gate_up_w = torch.cat([
+            L.gate_up_w = _cat([
                 w.take(p + "mlp.gate_proj.weight", (I, H)),
                 w.take(p + "mlp.up_proj.weight", (I, H)),
-            ]).contiguous()
+            ], p + "mlp.gate|up_proj")
             L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
             if cfg.qk_norm:
                 L.q_norm = w.take(p + "self_attn.q_norm.weight", (cfg.head_dim,))
@@ -126,14 +134,27 @@ class LlamaModel:
         else:
             raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        if quantization == "none" and any(isinstance(t, QuantRows) for t in weights.values()):
+            raise ConfigError("checkpoint: holds quantized weights (read for quantization 'gguf'), "
+                              "but quantization is 'none'")
         self.select_kernels(kernel_isa if use_kernels else "none")
-        if self.device.type == "cpu" and not isinstance(self.lm_head, PackedWeight):
-            self._to_huge_pages()  # (packed weights moved there when they were packed)
+        if self.device.type == "cpu" and not isinstance(self.lm_head, (PackedWeight, QuantWeight)):
+            self._to_huge_pages()  # (packed and quantized weights moved there when they were made)
 
     def select_kernels(self, kernel_isa: str) -> None:
         """Run on the ops of `kernel_isa` (engine.kernels.make_ops; a ValueError where
         this machine cannot run it). Every native ISA reads the same packed weights,
         so switching between them repacks nothing."""
+        if self.quantization != "none":
+            from engine.kernels import make_quant_ops
+
+            self.ops = make_quant_ops(self.device, kernel_isa)
+            if not isinstance(self.lm_head, QuantWeight):
+                self._quantize_matmul_weights()
+                if self.device.type == "cpu":
+                    self._to_huge_pages()
+            self.fused = None if self.shard.is_sharded else self.ops.fused_decoder(self)
+            return
         ops = make_ops(self.dtype, self.device, isa=kernel_isa)
         packed = isinstance(self.lm_head, PackedWeight)
         if packed and not ops.packs_weights:
@@ -162,6 +183,19 @@ class LlamaModel:
         if tied:
             self.embed = None
 
+    def _quantize_matmul_weights(self) -> None:
+        """The matmul weights, the LM head and the embeddings as QuantWeight: taken as
+        stored where the checkpoint holds them quantized (gguf), else quantized to int8."""
+        def quant(w):
+            return QuantWeight.pack(w if isinstance(w, QuantRows) else quantize_int8(w))
+
+        for L in self.layers:
+            for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+                setattr(L, name, quant(getattr(L, name)))
+        tied = self.lm_head is self.embed
+        self.lm_head = quant(self.lm_head)
+        self.embed = None if tied else quant(self.embed)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         # embed None: tied to the LM head, which is held packed
         table = self.lm_head if self.embed is None else self.embed
@@ -181,9 +215,17 @@ class LlamaModel:
         slots += [(L, name) for L in self.layers for name in Layer.__slots__]
         slots = [(obj, name) for obj, name in slots if getattr(obj, name) is not None]
         ws = [getattr(obj, name) for obj, name in slots]
-        tensors = pack([w.data if isinstance(w, PackedWeight) else w for w in ws])
-        for (obj, name), w, t in zip(slots, ws, tensors):
-            setattr(obj, name, PackedWeight(t, w.n, w.k) if isinstance(w, PackedWeight) else t)
+        parts = [[w.data] if isinstance(w, PackedWeight) else w.tensors() if isinstance(w, QuantWeight) else [w]
+                 for w in ws]
+        tensors = iter(pack([t for p in parts for t in p]))
+        for (obj, name), w, p in zip(slots, ws, parts):
+            got = [next(tensors) for _ in p]
+            if isinstance(w, PackedWeight):
+                setattr(obj, name, PackedWeight(got[0], w.n, w.k))
+            elif isinstance(w, QuantWeight):
+                setattr(obj, name, w.with_tensors(*got))
+            else:
+                setattr(obj, name, got[0])
 
     @torch.no_grad()
     def forward(
@@ -239,6 +281,15 @@ class LlamaModel:
         return None if full is None else full[:, : self.shard.vocab_size]
 
 
+def _cat(parts: list, what: str):
+    """Matmul weights fused by rows (q|k|v, gate|up): tensors, or QuantRows of one format."""
+    if any(isinstance(p, QuantRows) for p in parts):
+        if not all(isinstance(p, QuantRows) for p in parts):
+            raise ConfigError(f"checkpoint: {what}: some parts are quantized and some are not")
+        return QuantRows.cat(parts, what)
+    return torch.cat(parts).contiguous()
+
+
 class _WeightTaker:
     def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
         self.weights, self.dtype, self.device = weights, dtype, device
@@ -249,4 +300,6 @@ class _WeightTaker:
             raise ConfigError(f"checkpoint: missing tensor {name!r}")
         if tuple(t.shape) != shape:
             raise ConfigError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if isinstance(t, QuantRows):  # a GGUF's own blocks: packed as they are (LlamaModel.select_kernels)
+            return t
         return t.to(device=self.device, dtype=self.dtype).contiguous()

@@ -9,7 +9,10 @@ folder: a GGUF file is dequantized once into a cache folder
 
 `load_checkpoint` reads a folder into a `ModelConfig` and a dict of tensors
 named as in Hugging Face's Llama implementation, every one checked against
-the shape the config implies.
+the shape the config implies. With ``quantization="gguf"`` the matmul
+weights are read instead from the GGUF file the folder was converted from
+(recorded in it as ``GGUF_SOURCE_FILE``), in their own block formats
+(engine.quant).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ CACHE_DIR_ENV = "KVRELAY_CACHE_DIR"
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# In a folder converted from a GGUF file: that file's path (quantization "gguf" reads it)
+GGUF_SOURCE_FILE = "gguf_source.txt"
 
 
 class CheckpointError(ValueError):
@@ -88,7 +93,37 @@ def resolve_model(model: str | os.PathLike | None, cache_dir: str | os.PathLike 
                 f"(the only model known by name is {DEFAULT_MODEL!r})"
             )
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return convert_gguf_cached(gguf_path, root / "gguf")
+    folder = convert_gguf_cached(gguf_path, root / "gguf")
+    _record_gguf_source(folder, gguf_path)
+    return folder
+
+
+def _record_gguf_source(folder: Path, gguf_path: Path) -> None:
+    """Write where `folder` came from (atomically; only when it changed)."""
+    source = str(gguf_path.resolve())
+    marker = folder / GGUF_SOURCE_FILE
+    try:
+        if marker.is_file() and marker.read_text() == source:
+            return
+        tmp = folder / f".{GGUF_SOURCE_FILE}.{os.getpid()}"
+        tmp.write_text(source)
+        os.replace(tmp, marker)
+    except OSError:
+        pass  # a read-only cache: quantization "gguf" then names the folder as not from a GGUF file
+
+
+def gguf_source(folder: Path) -> Path:
+    """The GGUF file checkpoint folder `folder` was converted from (quantization "gguf")."""
+    marker = Path(folder) / GGUF_SOURCE_FILE
+    path = Path(marker.read_text()) if marker.is_file() else None
+    if path is None:
+        raise CheckpointError(f"{folder}: quantization 'gguf' needs a GGUF checkpoint, and this folder holds "
+                              "safetensors; pass a .gguf file (or the default model), or use quantization "
+                              "'int8' or 'none'")
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{folder}: converted from {path}, which no longer exists; quantization "
+                                      "'gguf' reads the GGUF file itself")
+    return path
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -167,8 +202,14 @@ def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype, out: dic
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
 
 
-def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype,
+                    quantization: str = "none") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the weights of a checkpoint folder, cast to `dtype`.
+
+    quantization "gguf": the 2-D weights are engine.quant.QuantRows read from the
+    GGUF file the folder came from (`gguf_source`), in its own block formats; a
+    CheckpointError for a folder that did not come from one or a block type that
+    is not kept. Other quantizations load the folder as it is (int8 is made by the model).
 
     Returns exactly the tensors `expected_shapes` lists (without lm_head when
     the embeddings are tied and the checkpoint leaves it out); other tensors
@@ -182,8 +223,15 @@ def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype) -> tuple[Mode
     cfg = read_config(folder)
     shapes = expected_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(folder):
-        _read_safetensors(path, set(shapes), dtype, tensors)
+    if quantization == "gguf":
+        from engine.quant import read_gguf_rows
+
+        _, read = read_gguf_rows(gguf_source(folder))
+        tensors = {name: t if not isinstance(t, torch.Tensor) else t.to(dtype)
+                   for name, t in read.items() if name in shapes}
+    else:
+        for path in _weight_files(folder):
+            _read_safetensors(path, set(shapes), dtype, tensors)
 
     if "lm_head.weight" not in tensors:
         if not cfg.tie_word_embeddings:

@@ -42,10 +42,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---- CPU kernel ISA paths ------------------------------------------------------
-# Tests of the native kernels take `kernel_isa`: they run once per ISA build
-# (engine.kernels.ISAS) and skip only where this CPU lacks that ISA. The AVX2
-# build runs on AVX-512 machines too, so every CI machine exercises it.
-_exercised_isas: set[str] = set()
+# Tests of the native kernels take `kernel_isa` (or call require_isa): they run once
+# per ISA build (engine.kernels.ISAS) and skip only where this CPU lacks that ISA.
+# The AVX2 build runs on AVX-512 machines too, so every CI machine exercises it.
+# Kernel families: "bf16" (packed bf16 weights, bf16 activations) and "quant"
+# (quantized weights, Q8_0 / Q4_1 / int8, fp32 activations: tests/engine/test_quant_*).
+KERNEL_FAMILIES = ("bf16", "quant")
+_exercised: dict[str, set[str]] = {f: set() for f in KERNEL_FAMILIES}
 
 
 def _isa_names():
@@ -54,13 +57,13 @@ def _isa_names():
     return ISA_NAMES
 
 
-def require_isa(isa: str) -> str:
-    """Skip the calling test where this CPU lacks `isa`; else count it as exercised."""
+def require_isa(isa: str, family: str = "bf16") -> str:
+    """Skip the calling test where this CPU lacks `isa`; else count `family` on it as exercised."""
     from engine.kernels import cpu_isas
 
     if isa not in cpu_isas():
         pytest.skip(f"CPU lacks {isa}")
-    _exercised_isas.add(isa)
+    _exercised[family].add(isa)
     return isa
 
 
@@ -71,9 +74,10 @@ def kernel_isa(request) -> str:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Which kernel families this run exercised: `make test` names them."""
+    """Which kernel families, on which ISA paths, this run exercised: `make test` names them."""
     from engine.kernels import cpu_isas
 
-    ran = [n for n in _isa_names() if n in _exercised_isas]
-    terminalreporter.write_line(f"kernel ISA paths exercised: {', '.join(ran) or 'none'} "
+    ran = [f"{f} on {', '.join(n for n in _isa_names() if n in _exercised[f]) or 'none'}"
+           for f in KERNEL_FAMILIES]
+    terminalreporter.write_line(f"kernel families exercised: {'; '.join(ran)} "
                                 f"(this CPU runs: {', '.join(cpu_isas()) or 'none'})")

@@ -1,16 +1,19 @@
-// Fused CPU kernels for the bf16 decode path (kvrelay/engine/kernels.py),
-// written once against isa.h's Vec (zmm on AVX512-BF16, ymm on AVX2).
+// Fused CPU kernels for the decode path (kvrelay/engine/kernels.py), written
+// once against isa.h's Vec (zmm on AVX512-BF16, ymm on AVX2) and once per
+// activation type T: bf16 (the bf16 model) and fp32 (the quantized model,
+// whose activations stay fp32: matmul_quant.cpp).
 //
 // Decode runs one token per sequence through 30-odd layers, so its step time
 // is dominated by per-op overhead, not arithmetic. These kernels replace the
 // chains of small torch ops that overhead comes from: residual add + RMSNorm,
 // SiLU-and-multiply, rotary embedding, and attention over the paged KV cache
 // (read in place through the block table, no gather copy). All math is fp32;
-// results are rounded to bf16 at the points where the unfused torch model
-// rounds, so the two agree to bf16 rounding.
+// results are rounded to T at the points where the unfused torch model
+// rounds, so the two agree to bf16 rounding (fp32: no rounding in between).
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -22,7 +25,20 @@ using V = Vec::T;
 constexpr int64_t kL = Vec::kLanes;
 
 inline float f(bf16 v) { return static_cast<float>(v); }
-inline float rb(float v) { return f(bf16(v)); }  // round to bf16 precision
+inline float f(float v) { return v; }
+template <class T>
+inline float rb(float v) { return f(T(v)); }  // round to T's precision (fp32: unchanged)
+inline V ld(const bf16* p) { return Vec::load_bf16(p); }
+inline V ld(const float* p) { return Vec::load(p); }
+inline void st(bf16* p, V v) { Vec::store_bf16(p, v); }
+inline void st(float* p, V v) { Vec::store(p, v); }
+template <class T>
+inline V round_to(V v) {  // round the lanes to T's precision
+  if constexpr (std::is_same_v<T, bf16>)
+    return Vec::round_bf16(v);
+  else
+    return v;
+}
 
 // exp for fp32 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2; ~1 ulp.
 inline V vexp(V x) {
@@ -48,27 +64,29 @@ std::vector<float>& scratch(int which) {
 
 }  // namespace
 
-void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
-                  int threads) {
+namespace {
+
+template <class E>
+void add_rms_norm_t(E* x, const E* delta, const E* w, E* out, int64_t T, int64_t H, float eps, int threads) {
   par_for(T, 64, threads, [&](int64_t t0, int64_t t1) {
     std::vector<float>& row = scratch(0);
     row.resize(H);
     for (int64_t t = t0; t < t1; ++t) {
-      bf16* xr = x + t * H;
-      const bf16* dr = delta ? delta + t * H : nullptr;
-      bf16* orow = out + t * H;
-      // round the sum to bf16 as the unfused model does (x is stored in bf16)
+      E* xr = x + t * H;
+      const E* dr = delta ? delta + t * H : nullptr;
+      E* orow = out + t * H;
+      // round the sum to E as the unfused model does (x is stored as E)
       V ssv = Vec::zero();
       int64_t i = 0;
       for (; i + kL <= H; i += kL) {
-        V v = Vec::load_bf16(xr + i);
-        if (dr) v = Vec::round_bf16(Vec::add(v, Vec::load_bf16(dr + i)));
+        V v = ld(xr + i);
+        if (dr) v = round_to<E>(Vec::add(v, ld(dr + i)));
         Vec::store(row.data() + i, v);
         ssv = Vec::fmadd(v, v, ssv);
       }
       float ss = Vec::reduce_add(ssv);
       for (; i < H; ++i) {
-        const float v = dr ? rb(f(xr[i]) + f(dr[i])) : f(xr[i]);
+        const float v = dr ? rb<E>(f(xr[i]) + f(dr[i])) : f(xr[i]);
         row[i] = v;
         ss += v * v;
       }
@@ -77,70 +95,73 @@ void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t 
       i = 0;
       for (; i + kL <= H; i += kL) {
         const V v = Vec::load(row.data() + i);
-        if (dr) Vec::store_bf16(xr + i, v);
-        Vec::store_bf16(orow + i, Vec::mul(Vec::round_bf16(Vec::mul(v, rv)), Vec::load_bf16(w + i)));
+        if (dr) st(xr + i, v);
+        st(orow + i, Vec::mul(round_to<E>(Vec::mul(v, rv)), ld(w + i)));
       }
       for (; i < H; ++i) {
-        if (dr) xr[i] = bf16(row[i]);
-        orow[i] = bf16(rb(row[i] * r) * f(w[i]));
+        if (dr) xr[i] = E(row[i]);
+        orow[i] = E(rb<E>(row[i] * r) * f(w[i]));
       }
     }
   });
 }
 
-void head_rms_norm(bf16* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const bf16* w, float eps, int threads) {
+template <class E>
+void head_rms_norm_t(E* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const E* w, float eps, int threads) {
   par_for(T * NH, 256, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
-      bf16* v = x + (j / NH) * s0 + (j % NH) * D;
+      E* v = x + (j / NH) * s0 + (j % NH) * D;
       float ss = 0.f;
       for (int64_t i = 0; i < D; ++i) ss += f(v[i]) * f(v[i]);
       const float r = 1.f / std::sqrt(ss / D + eps);
-      for (int64_t i = 0; i < D; ++i) v[i] = bf16(rb(f(v[i]) * r) * f(w[i]));
+      for (int64_t i = 0; i < D; ++i) v[i] = E(rb<E>(f(v[i]) * r) * f(w[i]));
     }
   });
 }
 
-void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads) {
+template <class E>
+void silu_mul_t(const E* gate_up, E* out, int64_t T, int64_t I, int threads) {
   const int64_t chunk = 256;  // elements per work item: rows are split too, so one token uses every thread
   const int64_t per_row = (I + chunk - 1) / chunk;
   par_for(T * per_row, 32, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       const int64_t t = j / per_row, i0 = (j % per_row) * chunk, i1 = std::min(I, i0 + chunk);
-      const bf16* g = gate_up + t * 2 * I;
-      const bf16* u = g + I;
-      bf16* o = out + t * I;
+      const E* g = gate_up + t * 2 * I;
+      const E* u = g + I;
+      E* o = out + t * I;
       int64_t i = i0;
       for (; i + kL <= i1; i += kL) {
-        const V gv = Vec::load_bf16(g + i);
+        const V gv = ld(g + i);
         const V s = Vec::div(gv, Vec::add(Vec::set1(1.f), vexp(Vec::sub(Vec::zero(), gv))));
-        Vec::store_bf16(o + i, Vec::mul(Vec::round_bf16(s), Vec::load_bf16(u + i)));
+        st(o + i, Vec::mul(round_to<E>(s), ld(u + i)));
       }
       for (; i < i1; ++i) {
         const float gv = f(g[i]);
-        o[i] = bf16(rb(gv / (1.f + std::exp(-gv))) * f(u[i]));
+        o[i] = E(rb<E>(gv / (1.f + std::exp(-gv))) * f(u[i]));
       }
     }
   });
 }
 
-void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const bf16* cos, const bf16* sin,
-          const int64_t* positions, int threads) {
+template <class E>
+void rope_t(E* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const E* cos, const E* sin,
+            const int64_t* positions, int threads) {
   const int64_t half = D / 2;
   par_for(T * NH, 512, threads, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b; ++j) {
       const int64_t t = j / NH, h = j % NH;
-      bf16* v = x + t * s0 + h * s1;
-      const bf16* c = cos + positions[t] * D;
-      const bf16* s = sin + positions[t] * D;
+      E* v = x + t * s0 + h * s1;
+      const E* c = cos + positions[t] * D;
+      const E* s = sin + positions[t] * D;
       if (half % kL == 0) {
         for (int64_t i = 0; i < half; i += kL) {
-          const V lo = Vec::load_bf16(v + i), hi = Vec::load_bf16(v + half + i);
-          const V olo = Vec::add(Vec::round_bf16(Vec::mul(lo, Vec::load_bf16(c + i))),
-                                 Vec::round_bf16(Vec::mul(hi, Vec::load_bf16(s + i))));
-          const V ohi = Vec::add(Vec::round_bf16(Vec::mul(hi, Vec::load_bf16(c + half + i))),
-                                 Vec::round_bf16(Vec::mul(lo, Vec::load_bf16(s + half + i))));
-          Vec::store_bf16(v + i, olo);
-          Vec::store_bf16(v + half + i, ohi);
+          const V lo = ld(v + i), hi = ld(v + half + i);
+          const V olo = Vec::add(round_to<E>(Vec::mul(lo, ld(c + i))),
+                                 round_to<E>(Vec::mul(hi, ld(s + i))));
+          const V ohi = Vec::add(round_to<E>(Vec::mul(hi, ld(c + half + i))),
+                                 round_to<E>(Vec::mul(lo, ld(s + half + i))));
+          st(v + i, olo);
+          st(v + half + i, ohi);
         }
         continue;
       }
@@ -149,11 +170,13 @@ void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, con
       for (int64_t i = 0; i < D; ++i) xs[i] = f(v[i]);
       for (int64_t i = 0; i < D; ++i) {
         const float rot = xs[(i + half) % D];
-        v[i] = bf16(rb(xs[i] * f(c[i])) + rb(rot * f(s[i])));
+        v[i] = E(rb<E>(xs[i] * f(c[i])) + rb<E>(rot * f(s[i])));
       }
     }
   });
 }
+
+}  // namespace
 
 namespace {
 
@@ -161,9 +184,9 @@ namespace {
 // token at a stride, so the hardware prefetcher loses them at every block
 // boundary; fetch the head kAhead tokens ahead.
 constexpr int64_t kAhead = 16;
-template <int NV>
-inline void prefetch_head(const bf16* p) {
-  for (int64_t i = 0; i < NV * kL; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+template <int NV, class E>
+inline void prefetch_head(const E* p) {
+  for (int64_t i = 0; i < NV * kL; i += 64 / sizeof(E)) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
 // acc[g][:] = sum over t of scores[g][t] * value(t), for GN query heads at once:
@@ -176,10 +199,10 @@ inline void weigh_values(const float* scores, int64_t Lp, const Key& key, int64_
   for (int g = 0; g < GN; ++g)
     for (int d = 0; d < NV; ++d) o[g][d] = Vec::zero();
   for (int64_t t = 0; t < L; ++t) {
-    const bf16* v = key(t) + kv_stride;
+    const auto* v = key(t) + kv_stride;
     if (fetch && t + kAhead < L) prefetch_head<NV>(key(t + kAhead) + kv_stride);
     V vv[NV];
-    for (int d = 0; d < NV; ++d) vv[d] = Vec::load_bf16(v + kL * d);
+    for (int d = 0; d < NV; ++d) vv[d] = ld(v + kL * d);
     for (int g = 0; g < GN; ++g) {
       const V pv = Vec::set1(scores[g * Lp + t]);
       for (int d = 0; d < NV; ++d) o[g][d] = Vec::fmadd(pv, vv[d], o[g][d]);
@@ -193,8 +216,8 @@ inline void weigh_values(const float* scores, int64_t Lp, const Key& key, int64_
 // and values, read in place through its block table. NV: fp32 vectors per
 // head (head_dim / kL), a compile-time constant so the head stays in
 // registers; 0 takes the scalar path (any head size).
-template <int NV>
-void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t BS, int64_t blk_stride,
+template <int NV, class E>
+void attend_one(const float* qf, const int64_t* table, const E* kv, int64_t BS, int64_t blk_stride,
                 int64_t kv_stride, int64_t tok_stride, int64_t L, int64_t G, int64_t D, float* scores, float* acc,
                 V* part) {
   const int64_t Lp = (L + kL - 1) / kL * kL;  // score row stride: whole vectors
@@ -208,10 +231,10 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
           for (int64_t g = 0; g < G; ++g) part[g * kL + i] = Vec::zero();
           continue;
         }
-        const bf16* k = key(t0 + i);
+        const E* k = key(t0 + i);
         if (t0 + i + kAhead < L) prefetch_head<NV>(key(t0 + i + kAhead));
         V kvec[NV];
-        for (int d = 0; d < NV; ++d) kvec[d] = Vec::load_bf16(k + kL * d);
+        for (int d = 0; d < NV; ++d) kvec[d] = ld(k + kL * d);
         for (int64_t g = 0; g < G; ++g) {
           V p = Vec::mul(Vec::load(qf + g * D), kvec[0]);
           for (int d = 1; d < NV; ++d) p = Vec::fmadd(Vec::load(qf + g * D + kL * d), kvec[d], p);
@@ -222,7 +245,7 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
     }
   } else {
     for (int64_t t = 0; t < L; ++t) {
-      const bf16* k = key(t);
+      const E* k = key(t);
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * f(k[d]);
@@ -272,7 +295,7 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
   } else {
     std::fill(acc, acc + G * D, 0.f);
     for (int64_t t = 0; t < L; ++t) {
-      const bf16* v = key(t) + kv_stride;
+      const auto* v = key(t) + kv_stride;
       for (int64_t g = 0; g < G; ++g) {
         const float p = scores[g * Lp + t];
         float* ac = acc + g * D;
@@ -282,29 +305,30 @@ void attend_one(const float* qf, const int64_t* table, const bf16* kv, int64_t B
   }
 }
 
-using AttendFn = decltype(&attend_one<0>);
+template <class E>
+using AttendFn = decltype(&attend_one<0, E>);
 
 // The kernel for head size D: D / kL vectors kept in registers, up to 16 of them.
-AttendFn attend_for(int64_t D) {
-  if (D % kL) return &attend_one<0>;
+template <class E>
+AttendFn<E> attend_for(int64_t D) {
+  if (D % kL) return &attend_one<0, E>;
   switch (D / kL) {
-    case 1: return &attend_one<1>;
-    case 2: return &attend_one<2>;
-    case 4: return &attend_one<4>;
-    case 8: return &attend_one<8>;
-    case 16: return &attend_one<16>;
-    default: return &attend_one<0>;
+    case 1: return &attend_one<1, E>;
+    case 2: return &attend_one<2, E>;
+    case 4: return &attend_one<4, E>;
+    case 8: return &attend_one<8, E>;
+    case 16: return &attend_one<16, E>;
+    default: return &attend_one<0, E>;
   }
 }
 
-}  // namespace
-
-void decode_attention(const bf16* q, int64_t qs0, const bf16* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
-                      int64_t maxnb, const int64_t* lens, bf16* out, int64_t os0, int64_t B, int64_t H, int64_t D,
-                      float scale, int threads) {
+template <class E>
+void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
+                        int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D,
+                        float scale, int threads) {
   const int64_t G = H / Hkv;
   const int64_t tok_stride = Hkv * D, kv_stride = BS * Hkv * D, blk_stride = 2 * kv_stride;
-  const AttendFn fn = attend_for(D);
+  const AttendFn<E> fn = attend_for<E>(D);
   par_for(B * Hkv, 1, threads, [&](int64_t a, int64_t b) {
     std::vector<float>& qf = scratch(0);
     std::vector<float>& scores = scratch(1);
@@ -314,49 +338,93 @@ void decode_attention(const bf16* q, int64_t qs0, const bf16* kv, int64_t BS, in
     std::vector<V> part(G * kL);
     for (int64_t j = a; j < b; ++j) {
       const int64_t s = j / Hkv, hk = j % Hkv, L = lens[s];
-      const bf16* qs = q + s * qs0 + hk * G * D;
+      const E* qs = q + s * qs0 + hk * G * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = f(qs[i]) * scale;
       scores.resize(G * ((L + kL - 1) / kL * kL));
       fn(qf.data(), tables + s * maxnb, kv + hk * D, BS, blk_stride, kv_stride, tok_stride, L, G, D, scores.data(),
          acc.data(), part.data());
-      bf16* os = out + s * os0 + hk * G * D;
-      for (int64_t i = 0; i < G * D; ++i) os[i] = bf16(acc[i]);
+      E* os = out + s * os0 + hk * G * D;
+      for (int64_t i = 0; i < G * D; ++i) os[i] = E(acc[i]);
     }
   });
 }
 
+}  // namespace
+
+// The bf16 and fp32 builds of each kernel (ops.h).
+#define KVRELAY_ELEMENTWISE(E)                                                                                     \
+  void add_rms_norm(E* x, const E* delta, const E* w, E* out, int64_t T, int64_t H, float eps, int threads) {     \
+    add_rms_norm_t(x, delta, w, out, T, H, eps, threads);                                                          \
+  }                                                                                                                \
+  void head_rms_norm(E* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const E* w, float eps, int threads) {    \
+    head_rms_norm_t(x, s0, T, NH, D, w, eps, threads);                                                             \
+  }                                                                                                                \
+  void silu_mul(const E* gate_up, E* out, int64_t T, int64_t I, int threads) {                                    \
+    silu_mul_t(gate_up, out, T, I, threads);                                                                       \
+  }                                                                                                                \
+  void rope(E* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const E* cos, const E* sin,           \
+            const int64_t* positions, int threads) {                                                               \
+    rope_t(x, s0, s1, T, NH, D, cos, sin, positions, threads);                                                     \
+  }                                                                                                                \
+  void decode_attention(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,     \
+                        int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D, \
+                        float scale, int threads) {                                                                \
+    decode_attention_t(q, qs0, kv, BS, Hkv, tables, maxnb, lens, out, os0, B, H, D, scale, threads);               \
+  }
+KVRELAY_ELEMENTWISE(bf16)
+KVRELAY_ELEMENTWISE(float)
+#undef KVRELAY_ELEMENTWISE
+
 }  // namespace kvrelay
 
-// ---- torch-facing wrappers (engine/kernels.py NativeOps) ----------------------
+// ---- torch-facing wrappers (engine/kernels.py NativeOps, QuantOps) -------------
+// Each takes bf16 or fp32 tensors (all of one call the same type).
 
 namespace {
 using kvrelay::bf16;
 
 int resolve(int64_t threads) { return threads > 0 ? static_cast<int>(threads) : at::get_num_threads(); }
 
-void check_bf16(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), what, ": expected a contiguous bf16 tensor");
+void check_act(const torch::Tensor& t, at::ScalarType type, const char* what) {
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && t.scalar_type() == type && t.is_contiguous(), what,
+              ": expected a contiguous ", type == at::kFloat ? "fp32" : "bf16", " tensor, got ", t.scalar_type());
+}
+
+// fn(E{}) with E the element type of `t` (bf16 or float)
+template <class F>
+auto by_type(const torch::Tensor& t, const F& fn) {
+  if (t.scalar_type() == at::kFloat) return fn(float{});
+  return fn(bf16{});
 }
 }  // namespace
 
 // x += delta (in place, both [T, H]; no delta: x unchanged); returns rms_norm(x) * w.
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& delta, const torch::Tensor& w,
                            double eps, int64_t threads) {
-  check_bf16(x, "add_rms_norm x");
-  if (delta) check_bf16(*delta, "add_rms_norm delta");
+  const auto type = x.scalar_type();
+  check_act(x, type, "add_rms_norm x");
+  if (delta) check_act(*delta, type, "add_rms_norm delta");
+  check_act(w, type, "add_rms_norm w");
   auto out = torch::empty_like(x);
-  kvrelay::add_rms_norm(x.data_ptr<bf16>(), delta ? delta->data_ptr<bf16>() : nullptr, w.data_ptr<bf16>(),
-                        out.data_ptr<bf16>(),
-                        x.size(0), x.size(1), static_cast<float>(eps), resolve(threads));
+  by_type(x, [&](auto e) {
+    using E = decltype(e);
+    kvrelay::add_rms_norm(x.data_ptr<E>(), delta ? delta->data_ptr<E>() : nullptr, w.data_ptr<E>(),
+                          out.data_ptr<E>(), x.size(0), x.size(1), static_cast<float>(eps), resolve(threads));
+    return 0;
+  });
   return out;
 }
 
 // gate_up: [T, 2I] -> silu(gate) * up: [T, I]
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads) {
-  check_bf16(gate_up, "silu_mul");
+  check_act(gate_up, gate_up.scalar_type(), "silu_mul");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
-  kvrelay::silu_mul(gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), T, I, resolve(threads));
+  by_type(gate_up, [&](auto e) {
+    using E = decltype(e);
+    kvrelay::silu_mul(gate_up.data_ptr<E>(), out.data_ptr<E>(), T, I, resolve(threads));
+    return 0;
+  });
   return out;
 }
 
@@ -364,21 +432,34 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t threads) {
 // its first half negated, so out = x * cos + roll(x, D/2) * sin_signed.
 void rope_(torch::Tensor qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
            int64_t threads) {
-  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && qk.stride(2) == 1, "rope_: bf16 with a contiguous last dim");
-  kvrelay::rope(qk.data_ptr<bf16>(), qk.stride(0), qk.stride(1), qk.size(0), qk.size(1), qk.size(2),
-                cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), positions.data_ptr<int64_t>(), resolve(threads));
+  const auto type = qk.scalar_type();
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && qk.stride(2) == 1,
+              "rope_: bf16 or fp32 with a contiguous last dim");
+  check_act(cos, type, "rope_ cos");
+  check_act(sin, type, "rope_ sin");
+  by_type(qk, [&](auto e) {
+    using E = decltype(e);
+    kvrelay::rope(qk.data_ptr<E>(), qk.stride(0), qk.stride(1), qk.size(0), qk.size(1), qk.size(2),
+                  cos.data_ptr<E>(), sin.data_ptr<E>(), positions.data_ptr<int64_t>(), resolve(threads));
+    return 0;
+  });
 }
 
 // q: [B, H, D]; kv: [NB, 2, BS, Hkv, D]; tables: [B, maxnb] int64; lens: [B] int64.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
                                      const torch::Tensor& lens, double scale, int64_t threads) {
-  check_bf16(q, "paged_decode_attention q");
-  check_bf16(kv, "paged_decode_attention kv");
+  const auto type = q.scalar_type();
+  check_act(q, type, "paged_decode_attention q");
+  check_act(kv, type, "paged_decode_attention kv");
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: contiguous tables, lens");
   auto out = torch::empty_like(q);
-  kvrelay::decode_attention(q.data_ptr<bf16>(), q.stride(0), kv.data_ptr<bf16>(), kv.size(2), kv.size(3),
-                            tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                            out.data_ptr<bf16>(), out.stride(0), q.size(0), q.size(1), q.size(2),
-                            static_cast<float>(scale), resolve(threads));
+  by_type(q, [&](auto e) {
+    using E = decltype(e);
+    kvrelay::decode_attention(q.data_ptr<E>(), q.stride(0), kv.data_ptr<E>(), kv.size(2), kv.size(3),
+                              tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                              out.data_ptr<E>(), out.stride(0), q.size(0), q.size(1), q.size(2),
+                              static_cast<float>(scale), resolve(threads));
+    return 0;
+  });
   return out;
 }

@@ -6,58 +6,78 @@
 // layer (QKV projection, q/k norm, rotary, KV write, paged attention, output
 // projection, residual + RMSNorm, MLP) into preallocated buffers with the GIL
 // released. It computes exactly what engine/model.py computes with the native
-// per-op kernels, in the same order and with the same bf16 roundings.
+// per-op kernels, in the same order and with the same roundings: bf16
+// activations on packed bf16 weights (FusedDecoder), or fp32 activations on
+// quantized weights (QuantFusedDecoder, quant.h), which a step reads as they
+// are stored: for the default model's Q4_1 layers, 5 bits a weight.
 #include <torch/extension.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
+#include "quant.h"
 
 namespace kvrelay {
 
-struct LayerWeights {
-  torch::Tensor in_norm, post_norm, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm;
+// The four matmul weights of a layer, one of two kinds:
+struct PackedMat {  // bf16, packed (matmul_bf16.cpp): the bf16 model
+  torch::Tensor w;
+  int64_t n = 0, k = 0;
+  void check(int64_t n_, int64_t k_, const char* what) {
+    check_packed(w, n_, k_, what);
+    n = n_, k = k_;
+  }
+  void operator()(const bf16* x, bf16* y, int64_t M, int threads) const {
+    matmul_packed(x, w.data_ptr<bf16>(), y, M, k, n, threads);
+  }
+};
+struct QuantMat {  // quantized (quant.h), fp32 activations: the quantized model
+  torch::Tensor q, scales, mins;
+  int64_t bits = 0;
+  QuantMatrix mat{};
+  void check(int64_t n_, int64_t k_, const char* what) { mat = quant_matrix(q, scales, mins, n_, k_, bits, what); }
+  void operator()(const float* x, float* y, int64_t M, int threads) const { matmul_quant(x, mat, y, M, threads); }
 };
 
+template <class E, class Mat>
 class FusedDecoder {
  public:
-  // layers: per layer [in_norm, post_norm, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm],
-  // an empty tensor for an absent one (qkv_b, q_norm, k_norm); the four matmul
-  // weights packed (matmul_bf16.cpp), the rest plain.
-  FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm, torch::Tensor cos,
-               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               double scale)
-      : final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)), nh_(num_heads),
-        nkv_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
-    auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
-    for (const auto& l : layers) {
-      TORCH_CHECK(l.size() == 9, "FusedDecoder: 9 tensors per layer");
-      for (const auto& t : l)
-        TORCH_CHECK(!t.numel() || (t.scalar_type() == at::kBFloat16 && t.is_contiguous()),
-                    "FusedDecoder: weights must be contiguous bf16");
-      layers_.push_back({l[0], l[1], l[2], opt(l[3]), l[4], l[5], l[6], opt(l[7]), opt(l[8])});
-    }
+  struct Layer {
+    torch::Tensor in_norm, post_norm, qkv_b, q_norm, k_norm;  // qkv_b, q_norm, k_norm: undefined where absent
+    Mat qkv, o, gate_up, down;
+  };
+
+  FusedDecoder(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps, double scale)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)),
+        nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)) {
     TORCH_CHECK(!layers_.empty(), "FusedDecoder: no layers");
+    for (const auto& L : layers_)
+      for (const torch::Tensor* t : {&L.in_norm, &L.post_norm, &L.qkv_b, &L.q_norm, &L.k_norm})
+        TORCH_CHECK(!t->defined() || (t->scalar_type() == kType && t->is_contiguous()),
+                    "FusedDecoder: norms and biases must be contiguous ", kType);
     hidden_ = layers_[0].in_norm.size(0);
-    inter_ = layers_[0].down_w.size(1) * 2;
+    inter_ = inter;
     const int64_t H = hidden_, nq = nh_ * hd_, nqkv = nq + 2 * nkv_ * hd_;
-    for (const auto& L : layers_) {
-      check_packed(L.qkv_w, nqkv, H, "FusedDecoder qkv_w");
-      check_packed(L.o_w, H, nq, "FusedDecoder o_w");
-      check_packed(L.gate_up_w, 2 * inter_, H, "FusedDecoder gate_up_w");
-      check_packed(L.down_w, H, inter_, "FusedDecoder down_w");
+    for (auto& L : layers_) {
+      L.qkv.check(nqkv, H, "FusedDecoder qkv_w");
+      L.o.check(H, nq, "FusedDecoder o_w");
+      L.gate_up.check(2 * inter_, H, "FusedDecoder gate_up_w");
+      L.down.check(H, inter_, "FusedDecoder down_w");
     }
   }
 
-  // x: [M, H] embeddings of the M decode tokens (bf16); returns the final
+  // x: [M, H] embeddings of the M decode tokens (E); returns the final
   // normed hidden states [M, H]. positions, slot_blocks, slot_offsets: [M];
   // tables [M, maxnb] and lens [M] (context including the new token), int64.
   torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions, const torch::Tensor& slot_blocks,
                         const torch::Tensor& slot_offsets, const torch::Tensor& tables, const torch::Tensor& lens,
                         const std::vector<torch::Tensor>& kv_caches, int64_t threads_in) {
     const int64_t M = x_in.size(0), H = hidden_, I = inter_;
-    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && x_in.size(1) == H, "x: [M, hidden] bf16");
+    TORCH_CHECK(x_in.scalar_type() == kType && x_in.dim() == 2 && x_in.size(1) == H, "x: [M, hidden] ", kType);
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     for (const auto* t : {&positions, &slot_blocks, &slot_offsets, &tables, &lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == M, "int64 metadata, M rows");
@@ -68,61 +88,101 @@ class FusedDecoder {
     torch::Tensor h = torch::empty({M, H}, opts), qkv = torch::empty({M, nqkv}, opts);
     torch::Tensor attn = torch::empty({M, nq}, opts), proj = torch::empty({M, H}, opts);
     torch::Tensor gu = torch::empty({M, 2 * I}, opts), act = torch::empty({M, I}, opts);
-    bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
-    bf16 *attnp = attn.data_ptr<bf16>(), *projp = proj.data_ptr<bf16>();
+    E *xp = x.data_ptr<E>(), *hp = h.data_ptr<E>(), *qkvp = qkv.data_ptr<E>();
+    E *attnp = attn.data_ptr<E>(), *projp = proj.data_ptr<E>(), *gup = gu.data_ptr<E>(), *actp = act.data_ptr<E>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* sb = slot_blocks.data_ptr<int64_t>();
     const int64_t* so = slot_offsets.data_ptr<int64_t>();
     const int64_t* tab = tables.data_ptr<int64_t>();
     const int64_t* len = lens.data_ptr<int64_t>();
-    const bf16* cosp = cos_.data_ptr<bf16>();
-    const bf16* sinp = sin_.data_ptr<bf16>();
+    const E* cosp = cos_.data_ptr<E>();
+    const E* sinp = sin_.data_ptr<E>();
 
-    add_rms_norm(xp, nullptr, layers_[0].in_norm.data_ptr<bf16>(), hp, M, H, eps_, threads);
+    add_rms_norm(xp, nullptr, layers_[0].in_norm.template data_ptr<E>(), hp, M, H, eps_, threads);
     for (size_t li = 0; li < layers_.size(); ++li) {
-      const LayerWeights& L = layers_[li];
+      const Layer& L = layers_[li];
       const torch::Tensor& kv = kv_caches[li];
-      TORCH_CHECK(kv.scalar_type() == at::kBFloat16 && kv.is_contiguous() && kv.dim() == 5, "KV cache layout");
-      linear(h, L.qkv_w, qkv, nqkv, threads);
-      if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to bf16, as the unfused model adds it
+      TORCH_CHECK(kv.scalar_type() == kType && kv.is_contiguous() && kv.dim() == 5, "KV cache layout");
+      L.qkv(hp, qkvp, M, threads);
+      if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to E, as the unfused model adds it
       if (L.q_norm.defined()) {
-        head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.q_norm.data_ptr<bf16>(), eps_, threads);
-        head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.k_norm.data_ptr<bf16>(), eps_, threads);
+        head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.q_norm.template data_ptr<E>(), eps_, threads);
+        head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.k_norm.template data_ptr<E>(), eps_, threads);
       }
       rope(qkvp, nqkv, hd_, M, nh_ + nkv_, hd_, cosp, sinp, pos, threads);
       // this token's key and value into its slot: kv[block, 0|1, offset]
-      bf16* kvp = kv.data_ptr<bf16>();
+      E* kvp = kv.data_ptr<E>();
       const int64_t BS = kv.size(2), kv_half = BS * nkvd;
       for (int64_t t = 0; t < M; ++t) {
-        bf16* slot = kvp + sb[t] * 2 * kv_half + so[t] * nkvd;
-        std::memcpy(slot, qkvp + t * nqkv + nq, nkvd * sizeof(bf16));
-        std::memcpy(slot + kv_half, qkvp + t * nqkv + nq + nkvd, nkvd * sizeof(bf16));
+        E* slot = kvp + sb[t] * 2 * kv_half + so[t] * nkvd;
+        std::memcpy(slot, qkvp + t * nqkv + nq, nkvd * sizeof(E));
+        std::memcpy(slot + kv_half, qkvp + t * nqkv + nq + nkvd, nkvd * sizeof(E));
       }
       decode_attention(qkvp, nqkv, kvp, BS, nkv_, tab, tables.size(1), len, attnp, nq, M, nh_, hd_, scale_,
                        threads);
-      linear(attn, L.o_w, proj, H, threads);
-      add_rms_norm(xp, projp, L.post_norm.data_ptr<bf16>(), hp, M, H, eps_, threads);
-      linear(h, L.gate_up_w, gu, 2 * I, threads);
-      silu_mul(gu.data_ptr<bf16>(), act.data_ptr<bf16>(), M, I, threads);
-      linear(act, L.down_w, proj, H, threads);
+      L.o(attnp, projp, M, threads);
+      add_rms_norm(xp, projp, L.post_norm.template data_ptr<E>(), hp, M, H, eps_, threads);
+      L.gate_up(hp, gup, M, threads);
+      silu_mul(gup, actp, M, I, threads);
+      L.down(actp, projp, M, threads);
       const torch::Tensor& next = li + 1 < layers_.size() ? layers_[li + 1].in_norm : final_norm_;
-      add_rms_norm(xp, projp, next.data_ptr<bf16>(), hp, M, H, eps_, threads);
+      add_rms_norm(xp, projp, next.data_ptr<E>(), hp, M, H, eps_, threads);
     }
     return h;
   }
 
  private:
-  // y [M, N] = x [M, K] @ W^T, W packed: the kernel the per-op path runs (NativeOps.linear).
-  static void linear(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int64_t N, int threads) {
-    matmul_packed(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>(), x.size(0), x.size(1), N, threads);
-  }
-
-  std::vector<LayerWeights> layers_;
+  static constexpr at::ScalarType kType = std::is_same_v<E, float> ? at::kFloat : at::kBFloat16;
+  std::vector<Layer> layers_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t nh_, nkv_, hd_;
   float eps_, scale_;
   int64_t hidden_ = 0, inter_ = 0;
 };
+
+using Bf16Decoder = FusedDecoder<bf16, PackedMat>;
+using QuantDecoder = FusedDecoder<float, QuantMat>;
+
+namespace {
+torch::Tensor opt(const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); }
+}  // namespace
+
+// layers: per layer [in_norm, post_norm, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm],
+// an empty tensor for an absent one (qkv_b, q_norm, k_norm); the four matmul
+// weights packed (matmul_bf16.cpp), the rest plain bf16.
+Bf16Decoder* make_bf16_decoder(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
+                               torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, double eps, double scale) {
+  std::vector<Bf16Decoder::Layer> ls;
+  for (const auto& l : layers) {
+    TORCH_CHECK(l.size() == 9, "FusedDecoder: 9 tensors per layer");
+    for (size_t i : {2, 4, 5, 6}) TORCH_CHECK(l[i].scalar_type() == at::kBFloat16, "FusedDecoder: bf16 weights");
+    ls.push_back({l[0], l[1], opt(l[3]), opt(l[7]), opt(l[8]), {l[2]}, {l[4]}, {l[5]}, {l[6]}});
+  }
+  TORCH_CHECK(!ls.empty(), "FusedDecoder: no layers");
+  const int64_t inter = ls[0].down.w.size(1) * 2;
+  return new Bf16Decoder(std::move(ls), std::move(final_norm), std::move(cos), std::move(sin), num_heads,
+                         num_kv_heads, head_dim, inter, eps, scale);
+}
+
+// layers: per layer [in_norm, post_norm, qkv_b, q_norm, k_norm] (fp32; empty where absent), then
+// (codes, scales, mins) of qkv_w, o_w, gate_up_w and down_w (engine/quant.py QuantWeight);
+// bits: per layer the four matrices' code widths.
+QuantDecoder* make_quant_decoder(const std::vector<std::vector<torch::Tensor>>& layers,
+                                 const std::vector<std::vector<int64_t>>& bits, torch::Tensor final_norm,
+                                 torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t intermediate, double eps, double scale) {
+  TORCH_CHECK(layers.size() == bits.size(), "QuantFusedDecoder: code widths for every layer");
+  std::vector<QuantDecoder::Layer> ls;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const auto& l = layers[li];
+    TORCH_CHECK(l.size() == 17 && bits[li].size() == 4, "QuantFusedDecoder: 17 tensors and 4 widths per layer");
+    auto mat = [&](int i) { return QuantMat{l[5 + 3 * i], l[6 + 3 * i], l[7 + 3 * i], bits[li][i]}; };
+    ls.push_back({l[0], l[1], opt(l[2]), opt(l[3]), opt(l[4]), mat(0), mat(1), mat(2), mat(3)});
+  }
+  return new QuantDecoder(std::move(ls), std::move(final_norm), std::move(cos), std::move(sin), num_heads,
+                          num_kv_heads, head_dim, intermediate, eps, scale);
+}
 
 }  // namespace kvrelay
 
@@ -136,6 +196,8 @@ void rope_(torch::Tensor qk, const torch::Tensor& cos, const torch::Tensor& sin,
            int64_t threads);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
                                      const torch::Tensor& lens, double scale, int64_t threads);
+torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                           const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -150,8 +212,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"), py::arg("tables"),
         py::arg("lens"), py::arg("scale"), t, release());
-  py::class_<kvrelay::FusedDecoder>(m, "FusedDecoder", py::module_local())
-      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor, torch::Tensor, torch::Tensor,
-                    int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &kvrelay::FusedDecoder::forward, release());
+  m.def("linear_quant", &linear_quant, py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::arg("bits"), t, release());
+  py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
+      .def(py::init(&kvrelay::make_bf16_decoder))
+      .def("forward", &kvrelay::Bf16Decoder::forward, release());
+  py::class_<kvrelay::QuantDecoder>(m, "QuantFusedDecoder", py::module_local())
+      .def(py::init(&kvrelay::make_quant_decoder))
+      .def("forward", &kvrelay::QuantDecoder::forward, release());
 }

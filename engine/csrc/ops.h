@@ -28,19 +28,24 @@ void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K,
 void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads);
 // Checks that w is a packed [n, k] weight (contiguous bf16 [ceil(n/32), k/2, 32, 2]); `what` names the caller.
 void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what);
-// x += delta (skipped when delta is null), out = rms_norm(x) * w; [T, H].
-void add_rms_norm(bf16* x, const bf16* delta, const bf16* w, bf16* out, int64_t T, int64_t H, float eps,
-                  int threads);
-// RMSNorm of each head vector in place: x rows of `D` at x + t*s0 + h*D.
-void head_rms_norm(bf16* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const bf16* w, float eps, int threads);
-// gate_up [T, 2I] -> silu(gate) * up [T, I].
-void silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I, int threads);
-// Rotate heads in place (rotate-half layout); head h of token t at x + t*s0 + h*s1.
-void rope(bf16* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const bf16* cos, const bf16* sin,
-          const int64_t* positions, int threads);
-// One query per sequence against its paged context. q [B, H, D] (row stride qs0),
-// kv [NB, 2, BS, Hkv, D], tables [B, maxnb], lens [B]; out [B, H, D] (row stride os0).
-void decode_attention(const bf16* q, int64_t qs0, const bf16* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
-                      int64_t maxnb, const int64_t* lens, bf16* out, int64_t os0, int64_t B, int64_t H, int64_t D,
-                      float scale, int threads);
+// The elementwise kernels, each for E = bf16 (the bf16 model) and E = float (the
+// quantized model's fp32 activations); cpu_ops.cpp.
+#define KVRELAY_ELEMENTWISE_DECL(E)                                                                                 \
+  /* x += delta (skipped when delta is null), out = rms_norm(x) * w; [T, H]. */                                      \
+  void add_rms_norm(E* x, const E* delta, const E* w, E* out, int64_t T, int64_t H, float eps, int threads);       \
+  /* RMSNorm of each head vector in place: x rows of `D` at x + t*s0 + h*D. */                                       \
+  void head_rms_norm(E* x, int64_t s0, int64_t T, int64_t NH, int64_t D, const E* w, float eps, int threads);      \
+  /* gate_up [T, 2I] -> silu(gate) * up [T, I]. */                                                                   \
+  void silu_mul(const E* gate_up, E* out, int64_t T, int64_t I, int threads);                                       \
+  /* Rotate heads in place (rotate-half layout); head h of token t at x + t*s0 + h*s1. */                            \
+  void rope(E* x, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t D, const E* cos, const E* sin,             \
+            const int64_t* positions, int threads);                                                                 \
+  /* One query per sequence against its paged context. q [B, H, D] (row stride qs0), */                              \
+  /* kv [NB, 2, BS, Hkv, D], tables [B, maxnb], lens [B]; out [B, H, D] (row stride os0). */                         \
+  void decode_attention(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,       \
+                        int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D,   \
+                        float scale, int threads);
+KVRELAY_ELEMENTWISE_DECL(bf16)
+KVRELAY_ELEMENTWISE_DECL(float)
+#undef KVRELAY_ELEMENTWISE_DECL
 }  // namespace kvrelay

@@ -88,7 +88,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
 
         core = start_engine(model_dir, config, ranks)
     else:
-        model_config, weights = load_checkpoint(Path(model_dir), torch.float32)
+        model_config, weights = load_checkpoint(Path(model_dir), torch.float32, quantization=config.quantization)
         core = EngineCore(model_config, weights, config)
     try:
         tokenizer = Tokenizer.from_folder(model_dir)
