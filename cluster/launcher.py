@@ -259,11 +259,18 @@ class Cluster:
                 await self._startup_profile
             except asyncio.CancelledError:
                 pass
+        t0 = time.monotonic()
         if self.frontends is not None:
             await self.frontends.stop(grace=5.0)
+        t1 = time.monotonic()
         if self.backend is not None:
             await self.backend.stop()
+        t2 = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, self.stop_actors)
+        t3 = time.monotonic()
+        if t3 - t0 > 20:  # say where a slow stop spent its time
+            log.warning("stopping took %.1fs: frontends %.1fs, backend %.1fs, actors %.1fs", t3 - t0, t1 - t0,
+                        t2 - t1, t3 - t2)
 
 
 async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_joined: bool, respawn,
