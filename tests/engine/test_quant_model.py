@@ -209,3 +209,14 @@ def test_bench_names_each_weight_format_and_isa_path(tmp_path, capsys, quant_isa
     assert len(re.findall(r"\| bound: [\d.]+ MB of weights read", out)) == 2
     text = md.read_text()
     assert "## Quantized weights" in text and "weights `none`, `int8` (kvrelay)" in text
+
+
+def test_the_stage_spec_passes_quantization_to_the_engine():
+    from pydantic import ValidationError
+
+    from cluster.spec import StageSpec
+
+    assert StageSpec().engine_config("auto").quantization == "none"
+    assert StageSpec(quantization="gguf").engine_config("auto").quantization == "gguf"
+    with pytest.raises(ValidationError, match="quantization"):
+        StageSpec(quantization="q4")
