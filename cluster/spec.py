@@ -96,6 +96,9 @@ class StageSpec(_Strict):
     # CPU replicas: write every page of the KV cache at start, so that a cache the machine cannot hold
     # fails at start rather than under load, and no request pays the first write's page faults
     kv_cache_prefault: bool = True
+    # a mixture of experts at tensor_parallel_size > 1: split the experts across the ranks
+    # (attention stays tensor-parallel); see engine.config.EngineConfig
+    enable_expert_parallel: bool = False
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -135,6 +138,7 @@ class StageSpec(_Strict):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             kv_cache_prefault=self.kv_cache_prefault,
+            enable_expert_parallel=self.enable_expert_parallel,
             seed=seed,
             **kwargs,
         )

@@ -46,7 +46,7 @@ class EngineCore:
         config.validate()
         from engine.parallel.sharding import ShardLayout
 
-        shard = ShardLayout.for_rank(model_config, 0, config.tensor_parallel_size)
+        shard = ShardLayout.for_engine(model_config, 0, config)
         if shard.is_sharded and tp_group is None:
             raise ConfigError("tensor_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
         self.config = config
@@ -179,7 +179,15 @@ class EngineCore:
         """What a replica reports to the router."""
         return LoadReport(replica_id, is_alive, self.scheduler.num_queued_prefill_tokens(),
                           len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
-                          self.pool.num_blocks, num_sending, num_incoming)
+                          self.pool.num_blocks, num_sending, num_incoming,
+                          tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else ())
+
+    def expert_load(self) -> torch.Tensor:
+        """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
+        (rows in ModelConfig.moe_layers order). Rank 0 routes every token, so these are the counts
+        of every rank; with expert parallelism, a rank's load is the sum over the experts it holds
+        (`expert_ranks`)."""
+        return self.model.expert_counts.clone()
 
     # ---- the loop ------------------------------------------------------
     def step(self, on_batch: Callable[[SchedulerOutput], LayerHook | None] | None = None) -> list[StepOutput]:
