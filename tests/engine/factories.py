@@ -26,7 +26,7 @@ def tiny_hf_config(kind: str, **overrides):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig}[kind]
-    kw = dict(TINY, **MOE_TINY.get(kind, {}), **overrides)
+    kw = {**TINY, **MOE_TINY.get(kind, {}), **overrides}
     if kind in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", 16)  # != hidden / heads, so head_dim must come from config
     return cls(**kw)

@@ -94,8 +94,8 @@ def test_idle_experts_one_token_at_a_time(moe_dir):
 
 
 def test_every_token_on_the_same_experts(tmp_path, prompts):
-    """A router of zeros: every logit ties, torch.topk picks experts 0 and 1 for every token,
-    and experts 2 and 3 get nothing (ties broken as the reference breaks them)."""
+    """A router of zeros: every logit ties, so every token goes to the same two experts (the
+    ones torch.topk picks among equal values, as in the reference) and the other two get nothing."""
     save_tiny_model(tmp_path, "mixtral")
     hf = hf_model(tmp_path)
     with torch.no_grad():
@@ -103,7 +103,8 @@ def test_every_token_on_the_same_experts(tmp_path, prompts):
             layer.mlp.gate.weight.zero_()
     hf.save_pretrained(tmp_path)
     outs, load = generate(tmp_path, prompts)
-    assert (load[:, 2:] == 0).all() and (load[:, 0] == load[:, 1]).all() and (load[:, 0] > 0).all(), load
+    for row in load:  # per sparse layer: two experts took every token, two none
+        assert sorted(row.tolist()) == [0, 0, int(row.max()), int(row.max())] and row.max() > 0, load
     assert_matches_transformers(tmp_path, prompts, outs, "zero router")
 
 
