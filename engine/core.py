@@ -59,7 +59,7 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context "
                 f"({model_config.max_position_embeddings})")
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
-                                kernel_isa=config.kernel_isa, shard=shard,
+                                kernel_isa=config.kernel_isa, shard=shard, moe_dispatch=config.moe_dispatch,
                                 comm=tp_group.comm if tp_group is not None else None)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
                                              num_kv_heads=shard.num_kv_heads)  # this rank's heads

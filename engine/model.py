@@ -28,6 +28,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.kernels import MAX_FUSED_ROWS, PackedWeight, make_ops
 from engine.moe import MoEBlock
 from engine.parallel.comm import SINGLE, Collectives
+from engine.parallel.moe import make_combine
 from engine.parallel.sharding import ShardLayout
 
 LayerHook = Callable[[int], None]
@@ -83,10 +84,12 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", max_positions: int | None = None,
                  use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
-                 comm: Collectives | None = None):
+                 comm: Collectives | None = None, moe_dispatch: str = "allreduce"):
         self.cfg = cfg
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
+        # a sparse layer's partial output -> the whole (engine/parallel/moe.py: "allreduce")
+        self.moe_combine = make_combine(moe_dispatch, self.comm) if cfg.is_moe else None
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
@@ -251,7 +254,7 @@ class LlamaModel:
             else:  # this rank's experts (or columns of each), combined by the same one all-reduce
                 partial, counts = moe.forward(h, ops)
                 self.expert_counts[cfg.moe_layers.index(i)] += counts
-                mlp = all_reduce(partial)
+                mlp = self.moe_combine(partial)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h

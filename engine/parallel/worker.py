@@ -125,7 +125,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         dtype_name = pick_dtype(config.dtype, config.device)
         max_len = config.max_model_len or cfg.max_position_embeddings
         model = LlamaModel(cfg, weights, torch_dtype(dtype_name), config.device, max_positions=max_len,
-                           kernel_isa=config.kernel_isa, shard=layout, comm=comm)
+                           kernel_isa=config.kernel_isa, shard=layout, comm=comm, moe_dispatch=config.moe_dispatch)
         del weights
         init = np.frombuffer(shm.recv(), dtype=np.int64)
         if init[0] == STOP:  # rank 0 gave up while starting
