@@ -238,3 +238,12 @@ def test_parallel_settings_are_checked(tmp_path):
         EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, moe_dispatch="alltoall").validate()
     with pytest.raises(ConfigError, match="expert_placement: must be one of"):
         LLM(str(tmp_path), dtype="float32", expert_placement="random")
+
+
+def test_stage_spec_carries_enable_expert_parallel():
+    """The stage spec's field reaches the stage's EngineConfig, per stage (prefill EP, decode not)."""
+    from cluster.spec import Spec, Stage, split_spec
+
+    cfg = split_spec(Spec.model_validate({"prefill": {"enable_expert_parallel": True}, "decode": {}}))
+    assert cfg.stages[Stage.PREFILL].engine.enable_expert_parallel
+    assert not cfg.stages[Stage.DECODE].engine.enable_expert_parallel
