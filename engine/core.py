@@ -64,7 +64,8 @@ class EngineCore:
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
                                              num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
-        graphs = config.device.startswith("cuda") and not config.enforce_eager
+        # (a mixture of experts sizes its per-expert batches on the host: no graph capture)
+        graphs = config.device.startswith("cuda") and not config.enforce_eager and not model_config.is_moe
         # with CUDA graphs, one block past the pool's is where padded batch rows write
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device,
                                            prefault=config.kv_cache_prefault)

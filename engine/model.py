@@ -171,7 +171,7 @@ class LlamaModel:
         copy, so the weights are held once. Tied embeddings are looked up in the packed
         LM head (`embed_tokens`)."""
         ks = [w.shape[1] for L in self.layers for w in (L.o_w, L.down_w) if w is not None] + [self.lm_head.shape[1]]
-        ks += [w.shape[1] for m in self.moe if m is not None for w in m.down_w]
+        ks += [w.shape[1] for m in self.moe if m is not None for w in m.down_w + [m.shared_down_w] if w is not None]
         if any(k % 2 for k in ks):
             return  # the kernel pairs k; an odd size keeps torch's matmul
         for L in self.layers:

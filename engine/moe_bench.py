@@ -41,11 +41,13 @@ def make_checkpoint(folder: Path) -> Path:
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    ones = torch.ones(H, dtype=torch.bfloat16)
-    w = {"model.embed_tokens.weight": rnd(VOCAB, H), "model.norm.weight": ones, "lm_head.weight": rnd(VOCAB, H)}
+    def ones():
+        return torch.ones(H, dtype=torch.bfloat16)
+
+    w = {"model.embed_tokens.weight": rnd(VOCAB, H), "model.norm.weight": ones(), "lm_head.weight": rnd(VOCAB, H)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones,
+        w.update({p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
                   p + "self_attn.q_proj.weight": rnd(H, H), p + "self_attn.k_proj.weight": rnd(256, H),
                   p + "self_attn.v_proj.weight": rnd(256, H), p + "self_attn.o_proj.weight": rnd(H, H),
                   p + "block_sparse_moe.gate.weight": rnd(E, H) * 50})  # * 50: a router that spreads tokens
@@ -144,8 +146,11 @@ def grouped_vs_dense(tokens: int, iters: int = 30) -> dict:
     dense = time_it(lambda: ops.linear(ops.silu_mul(ops.linear(x, gu)), dn))
     _, counts = block.forward(h, ops)
     flops = 2 * tokens * K * 3 * H * I
+    active = int((counts > 0).sum())
+    expert_bytes = 3 * H * I * 2  # one expert's gate, up and down in bf16
     return {"tokens": tokens, "grouped_ms": grouped * 1e3, "dense_ms": dense * 1e3, "ratio": grouped / dense,
-            "active_experts": int((counts > 0).sum()), "grouped_gflops": flops / grouped / 1e9,
+            "active_experts": active, "grouped_mb": active * expert_bytes / 1e6, "dense_mb": expert_bytes / 1e6,
+            "grouped_gbps": active * expert_bytes / grouped / 1e9, "grouped_gflops": flops / grouped / 1e9,
             "dense_gflops": flops / dense / 1e9, "ops": type(ops).__name__}
 
 
@@ -161,12 +166,14 @@ def main() -> int:
     flags = Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; avx512_bf16: {'avx512_bf16' in flags}, "
           f"avx2: {' avx2' in flags}; load average before: {os.getloadavg()[0]:.1f}")
-    print("\n| tokens | active experts | grouped (ms) | dense, same FLOPs (ms) | grouped / dense | grouped GFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| tokens | active experts | grouped (ms) | dense, same FLOPs (ms) | grouped / dense "
+          "| weights read, grouped / dense (MB) | grouped GB/s | grouped GFLOP/s | dense GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in (1, 16, 256):
-        r = grouped_vs_dense(t)
+        r = grouped_vs_dense(t, iters=30 if t <= 16 else 10)
         print(f"| {t} | {r['active_experts']} | {r['grouped_ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f}x "
-              f"| {r['grouped_gflops']:.1f} |")
+              f"| {r['grouped_mb']:.1f} / {r['dense_mb']:.1f} | {r['grouped_gbps']:.1f} | {r['grouped_gflops']:.1f} "
+              f"| {r['dense_gflops']:.1f} |", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(Path(tmp) / "moe")
         print("\n| batch | layout | step (ms) | expert compute (ms) | dispatch/combine (ms) | rest (ms) | threads/rank |")
