@@ -162,13 +162,13 @@ def cpu_name() -> str:
 
 
 def main() -> int:
-    torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))
     flags = Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; avx512_bf16: {'avx512_bf16' in flags}, "
           f"avx2: {' avx2' in flags}; load average before: {os.getloadavg()[0]:.1f}")
     print("\n| tokens | active experts | grouped (ms) | dense, same FLOPs (ms) | grouped / dense "
           "| weights read, grouped / dense (MB) | grouped GB/s | grouped GFLOP/s | dense GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|")
+    torch.set_num_threads(1)  # one thread: the grouped path's many small ops pay no OpenMP barrier
     for t in (1, 16, 256):
         r = grouped_vs_dense(t, iters=30 if t <= 16 else 10)
         print(f"| {t} | {r['active_experts']} | {r['grouped_ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f}x "
@@ -179,7 +179,9 @@ def main() -> int:
         print("\n| batch | layout | step (ms) | expert compute (ms) | dispatch/combine (ms) | rest (ms) | threads/rank |")
         print("|---|---|---|---|---|---|---|")
         for batch in (1, 16):
-            for name, tp, ep in (("one rank", 1, False), ("TP=2", 2, False), ("EP=2", 2, True)):
+            for name, tp, ep, threads in (("one rank", 1, False, 2), ("one rank, 1 thread", 1, False, 1),
+                                          ("TP=2", 2, False, 1), ("EP=2", 2, True, 1)):
+                torch.set_num_threads(threads)  # (TP=2: each rank takes 1 of the 2 cores itself)
                 r = decode_step(model_dir, batch, tp, ep)
                 print(f"| {batch} | {name} | {r['step_ms']:.2f} | {r['expert_ms']:.2f} | {r['combine_ms']:.2f} | "
                       f"{r['rest_ms']:.2f} | {r['threads']} |", flush=True)
