@@ -106,6 +106,9 @@ class StageSpec(_Strict):
     kv_cache_prefault: bool = True
     # matmul weights kept quantized on CPU replicas (engine.config.EngineConfig.quantization)
     quantization: Literal["none", "int8", "gguf"] = "none"
+    # a mixture of experts at tensor_parallel_size > 1: split the experts across the ranks
+    # (attention stays tensor-parallel); see engine.config.EngineConfig
+    enable_expert_parallel: bool = False
 
     @field_validator("placement_strategy")
     @classmethod
@@ -155,6 +158,7 @@ class StageSpec(_Strict):
             tp_backend=self.tp_backend,
             tp_timeout_s=self.tp_timeout_s,
             quantization=self.quantization,
+            enable_expert_parallel=self.enable_expert_parallel,
             seed=seed,
             **kwargs,
         )

@@ -16,8 +16,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
 
 
 class ConfigError(ValueError):
@@ -44,6 +47,20 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (engine/moe.py); num_experts 0: a dense model. The layers in
+    # moe_layers route each token to num_experts_per_tok of num_experts MLPs of
+    # moe_intermediate_size columns (plus, for Qwen2-MoE, a shared expert behind a sigmoid
+    # gate); the others keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -74,7 +91,8 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        sliding = (cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("mistral", "mixtral"))
+                   else None)
         # transformers >= 5 writes rope settings as `rope_parameters`, older ones as
         # `rope_theta` and `rope_scaling`.
         rope_params = cfg.get("rope_parameters") or {}
@@ -96,11 +114,13 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
+                                else cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(arch, cfg),
         )
         mc.validate()
         return mc
@@ -115,6 +135,19 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts:
+            if self.num_experts_per_tok < 1:
+                raise ConfigError(f"config.json: num_experts_per_tok must be >= 1, got {self.num_experts_per_tok}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be <= the number of "
+                    f"experts ({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(
+                    f"config.json: the experts' intermediate size must be > 0, got {self.moe_intermediate_size}")
+            bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ConfigError(f"config.json: MoE layer {bad[0]} is outside the {self.num_layers} layers")
         rs = self.rope_scaling
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))
@@ -125,12 +158,37 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig from an HF config (none for a dense family)."""
+    if arch == "mixtral":  # every layer sparse, the experts' size is intermediate_size, top-k renormalized
+        n = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
+        return dict(num_experts=n, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(cfg.get("intermediate_size", 0)), norm_topk_prob=True,
+                    moe_layers=tuple(range(int(cfg.get("num_hidden_layers", 0)))) if n else ())
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # layer i is sparse unless listed in mlp_only_layers, where (i + 1) % decoder_sparse_step == 0
+        n = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)  # transformers 5 writes the latter
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(int(cfg.get("num_hidden_layers", 0)))
+                       if n > 0 and i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=n, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+                    moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0))
+                    if arch == "qwen2_moe" else 0,
+                    moe_layers=layers)
+    return {}
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TP_BACKENDS = ("shm", "gloo")
 # engine.kernels.KERNEL_ISAS (a test holds them equal; config imports no torch)
 KERNEL_ISAS = ("auto", "avx512bf16", "avx2", "none")
 # engine.quant.QUANTIZATIONS (a test holds them equal)
 QUANTIZATIONS = ("none", "int8", "gguf")
+EXPERT_PLACEMENTS = ("contiguous", "round_robin")
+MOE_DISPATCHES = ("allreduce", "alltoall")
 
 
 @dataclass
@@ -162,6 +220,14 @@ class EngineConfig:
     # native CPU kernels: "none"; "int8", per-row int8 made at load from any checkpoint; "gguf",
     # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as stored
     quantization: str = "none"
+    # mixture of experts at tensor_parallel_size > 1 (engine/parallel/moe.py): split the experts
+    # across the ranks (attention stays tensor-parallel) instead of splitting every expert's
+    # columns; which rank holds which expert ("contiguous" ranges or "round_robin"); and how the
+    # tokens meet their experts ("allreduce": every rank runs its experts on all tokens, the
+    # MLP's all-reduce combines; "alltoall": tokens sent to their experts' ranks, NCCL only).
+    enable_expert_parallel: bool = False
+    expert_placement: str = "contiguous"
+    moe_dispatch: str = "allreduce"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -195,6 +261,13 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size: {tp} runs on CPU only so far (device {self.device!r})")
         if self.tp_backend not in TP_BACKENDS:
             raise ConfigError(f"tp_backend: must be one of {TP_BACKENDS}, got {self.tp_backend!r}")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ConfigError(f"expert_placement: must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ConfigError(f"moe_dispatch: must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        if self.moe_dispatch == "alltoall" and self.device.startswith("cpu"):
+            raise ConfigError("moe_dispatch: 'alltoall' needs a backend with an all-to-all (NCCL); CPU ranks "
+                              "(shm, gloo) hold replicated activations after attention, use 'allreduce'")
         if not self.tp_timeout_s > 0:
             raise ConfigError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.max_num_batched_tokens < self.block_size:

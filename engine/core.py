@@ -52,7 +52,7 @@ class EngineCore:
         config.validate()
         from engine.parallel.sharding import ShardLayout
 
-        shard = ShardLayout.for_rank(model_config, 0, config.tensor_parallel_size)
+        shard = ShardLayout.for_engine(model_config, 0, config)
         if shard.is_sharded and tp_group is None:
             raise ConfigError("tensor_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
         self.config = config
@@ -65,13 +65,14 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context "
                 f"({model_config.max_position_embeddings})")
         self.model = LlamaModel(model_config, weights, dtype, config.device, max_positions=self.max_model_len,
-                                kernel_isa=config.kernel_isa, shard=shard,
+                                kernel_isa=config.kernel_isa, shard=shard, moe_dispatch=config.moe_dispatch,
                                 comm=tp_group.comm if tp_group is not None else None,
                                 quantization=config.quantization)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
                                              num_kv_heads=shard.num_kv_heads)  # this rank's heads
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
-        graphs = config.device.startswith("cuda") and not config.enforce_eager
+        # (a mixture of experts sizes its per-expert batches on the host: no graph capture)
+        graphs = config.device.startswith("cuda") and not config.enforce_eager and not model_config.is_moe
         # with CUDA graphs, one block past the pool's is where padded batch rows write
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device,
                                            prefault=config.kv_cache_prefault)
@@ -217,7 +218,15 @@ class EngineCore:
         return LoadReport(replica_id, is_alive, self.scheduler.num_queued_prefill_tokens(),
                           len(self.scheduler.running), len(self.scheduler.waiting) + len(self._compiling),
                           self.pool.num_free_blocks,
-                          self.pool.num_blocks, num_sending, num_incoming)
+                          self.pool.num_blocks, num_sending, num_incoming,
+                          tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else ())
+
+    def expert_load(self) -> torch.Tensor:
+        """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
+        (rows in ModelConfig.moe_layers order). Rank 0 routes every token, so these are the counts
+        of every rank; with expert parallelism, a rank's load is the sum over the experts it holds
+        (`expert_ranks`)."""
+        return self.model.expert_counts.clone()
 
     # ---- the loop ------------------------------------------------------
     def step(self, on_batch: Callable[[SchedulerOutput], LayerHook | None] | None = None) -> list[StepOutput]:

@@ -44,6 +44,9 @@ class LLM:
         tp_timeout_s: float = 60.0,
         kernel_isa: str = "auto",
         quantization: str = "none",
+        enable_expert_parallel: bool = False,
+        expert_placement: str = "contiguous",
+        moe_dispatch: str = "allreduce",
         cache_dir: str | Path | None = None,
     ):
         from engine.tokenizer import Tokenizer, TokenizerError
@@ -55,7 +58,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s,
-            kernel_isa=kernel_isa, quantization=quantization)
+            kernel_isa=kernel_isa, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
+            expert_placement=expert_placement, moe_dispatch=moe_dispatch)
         config.validate()
         self.model_dir = resolve_model(None if model is None else str(model), cache_dir=cache_dir)
         try:

@@ -1,4 +1,6 @@
-"""The Llama family of dense decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""The Llama family of decoders: dense (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a layer's MLP is dense or an
+`engine.moe.MoEBlock`, as the checkpoint's config says.
 
 The model is a pure function of (tokens, positions, batch metadata, KV cache):
 ``forward`` writes each layer's new keys and values into the paged cache and
@@ -9,7 +11,9 @@ Tensor parallelism is applied from outside: the weights come already cut by
 `engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
-gather of the vocab-parallel logits). At TP=1 both are no-ops.
+gather of the vocab-parallel logits). At TP=1 both are no-ops. A sparse layer's
+MLP output is this rank's partial sum (its experts, or its columns of every
+expert) and takes the same one all-reduce as the dense MLP's down_proj.
 
 Quantization is applied from outside too: `quantization` "int8" quantizes the
 fp32 matmul weights at load (engine.quant), "gguf" takes them as the GGUF file
@@ -28,7 +32,9 @@ import torch.nn.functional as F
 from engine.attention import BatchMetadata, paged_attention
 from engine.config import ConfigError, ModelConfig
 from engine.kernels import MAX_FUSED_ROWS, PackedWeight, make_ops
+from engine.moe import MoEBlock
 from engine.parallel.comm import SINGLE, Collectives
+from engine.parallel.moe import make_combine
 from engine.parallel.sharding import ShardLayout
 from engine.quant import QuantRows, QuantWeight, quantize_int8
 
@@ -85,11 +91,16 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", max_positions: int | None = None,
                  use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
-                 comm: Collectives | None = None, quantization: str = "none"):
+                 comm: Collectives | None = None, quantization: str = "none", moe_dispatch: str = "allreduce"):
         self.cfg = cfg
+        if quantization != "none" and cfg.is_moe:
+            raise ConfigError(f"quantization: {quantization!r} is not supported for a mixture-of-experts model "
+                              f"({cfg.architecture}) yet: its experts are not quantized; use 'none'")
         self.quantization = quantization
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
+        # a sparse layer's partial output -> the whole (engine/parallel/moe.py: "allreduce")
+        self.moe_combine = make_combine(moe_dispatch, self.comm) if cfg.is_moe else None
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
@@ -98,6 +109,10 @@ class LlamaModel:
         w = _WeightTaker(weights, dtype, self.device)
         self.embed = w.take("model.embed_tokens.weight", (shard.vocab_shard, cfg.hidden_size))
         self.layers: list[Layer] = []
+        self.moe: list[MoEBlock | None] = [None] * cfg.num_layers  # a sparse layer's MLP
+        # tokens routed to each expert, per sparse layer, since the model was built (EngineCore.expert_load)
+        self.expert_counts = torch.zeros(len(cfg.moe_layers), max(cfg.num_experts, 1), dtype=torch.int64)
+        sparse = set(cfg.moe_layers)
         H, I = cfg.hidden_size, shard.intermediate_size
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -115,11 +130,16 @@ class LlamaModel:
                 w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
             ]) if cfg.attention_bias else None
             L.o_w = w.take(p + "self_attn.o_proj.weight", (H, self.q_size))
-            L.gate_up_w = _cat([
-                w.take(p + "mlp.gate_proj.weight", (I, H)),
-                w.take(p + "mlp.up_proj.weight", (I, H)),
-            ], p + "mlp.gate|up_proj")
-            L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
+            if i in sparse:
+                L.gate_up_w = L.down_w = None
+                self.moe[i] = MoEBlock(cfg, i, shard.experts, shard.moe_intermediate_size,
+                                       shard.shared_intermediate_size, w.take)
+            else:
+                L.gate_up_w = _cat([
+                    w.take(p + "mlp.gate_proj.weight", (I, H)),
+                    w.take(p + "mlp.up_proj.weight", (I, H)),
+                ], p + "mlp.gate|up_proj")
+                L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
             if cfg.qk_norm:
                 L.q_norm = w.take(p + "self_attn.q_norm.weight", (cfg.head_dim,))
                 L.k_norm = w.take(p + "self_attn.k_norm.weight", (cfg.head_dim,))
@@ -165,19 +185,26 @@ class LlamaModel:
             if self.device.type == "cpu" and isinstance(self.lm_head, PackedWeight):
                 self._to_huge_pages()
         # None: every batch takes the per-op path. FusedDecoder runs the whole stack in one native call,
-        # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards
-        self.fused = None if self.shard.is_sharded else ops.fused_decoder(self)
+        # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards;
+        # nor route tokens to experts, so a mixture of experts does too
+        self.fused = None if self.shard.is_sharded or self.cfg.is_moe else ops.fused_decoder(self)
 
     def _pack_matmul_weights(self) -> None:
         """The matmul weights into the native kernel's layout (engine.kernels.PackedWeight),
         replacing the [N, K] tensors: every matmul, prefill included, runs on the packed
         copy, so the weights are held once. Tied embeddings are looked up in the packed
         LM head (`embed_tokens`)."""
-        if any(w.shape[1] % 2 for w in (self.lm_head, self.layers[0].o_w, self.layers[0].down_w)):
+        ks = [w.shape[1] for L in self.layers for w in (L.o_w, L.down_w) if w is not None] + [self.lm_head.shape[1]]
+        ks += [w.shape[1] for m in self.moe if m is not None for w in m.down_w + [m.shared_down_w] if w is not None]
+        if any(k % 2 for k in ks):
             return  # the kernel pairs k; an odd size keeps torch's matmul
         for L in self.layers:
             for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-                setattr(L, name, PackedWeight.pack(getattr(L, name)))
+                if getattr(L, name) is not None:
+                    setattr(L, name, PackedWeight.pack(getattr(L, name)))
+        for m in self.moe:
+            if m is not None:
+                m.map_weights(PackedWeight.pack)
         tied = self.lm_head is self.embed
         self.lm_head = PackedWeight.pack(self.lm_head)
         if tied:
@@ -266,7 +293,13 @@ class LlamaModel:
                 layer_hook(i)
             # row-parallel o_proj and down_proj: partial sums, one all-reduce each
             x, h = ops.add_rms_norm(x, all_reduce(linear(attn.view(T, self.q_size), L.o_w)), L.post_norm, eps)
-            mlp = all_reduce(linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w))
+            moe = self.moe[i]
+            if moe is None:
+                mlp = all_reduce(linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w))
+            else:  # this rank's experts (or columns of each), combined by the same one all-reduce
+                partial, counts = moe.forward(h, ops)
+                self.expert_counts[cfg.moe_layers.index(i)] += counts
+                mlp = self.moe_combine(partial)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h

@@ -157,6 +157,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             })
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    if cfg.is_moe:  # a sparse layer's MLP is its router and experts (engine/moe.py), not the dense one
+        from engine.moe import layer_shapes
+
+        for i in cfg.moe_layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[f"model.layers.{i}.mlp.{proj}.weight"]
+            shapes.update(layer_shapes(cfg, i))
     return shapes
 
 
@@ -192,12 +199,23 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
+def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype, out: dict[str, torch.Tensor],
+                      cfg: ModelConfig | None = None) -> None:
+    from engine.moe import LayoutError, checkpoint_sources
+
     try:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in wanted:
-                    out[name] = f.get_tensor(name).to(dtype)
+            for key in f.keys():
+                if cfg is None or not cfg.is_moe:
+                    if key in wanted:
+                        out[key] = f.get_tensor(key).to(dtype)
+                    continue
+                # MoE experts may come in another layout (packed, Mixtral's): mapped onto the model's names
+                for name, read in checkpoint_sources(cfg, key, tuple(f.get_slice(key).get_shape()), f.get_slice):
+                    if name in wanted:
+                        out[name] = read().to(dtype)
+    except LayoutError as e:
+        raise CheckpointError(f"{path}: {e}") from e
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
 
@@ -231,7 +249,7 @@ def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype,
                    for name, t in read.items() if name in shapes}
     else:
         for path in _weight_files(folder):
-            _read_safetensors(path, set(shapes), dtype, tensors)
+            _read_safetensors(path, set(shapes), dtype, tensors, cfg)
 
     if "lm_head.weight" not in tensors:
         if not cfg.tie_word_embeddings:

@@ -23,10 +23,10 @@ def start_engine(model_dir: str | Path, config, launcher=None):
 
     config.validate()
     model_config = read_config(model_dir)
-    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    check_tensor_parallel(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
     group = TPGroup(str(model_dir), config, model_config, launcher)
     try:
-        _, weights = load_shard(model_dir, ShardLayout.for_rank(model_config, 0, config.tensor_parallel_size),
+        _, weights = load_shard(model_dir, ShardLayout.for_engine(model_config, 0, config),
                                 torch.float32)
         return EngineCore(model_config, weights, config, tp_group=group)
     except BaseException:

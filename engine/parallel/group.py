@@ -45,7 +45,7 @@ JOIN_TIMEOUT_S = 5.0
 
 def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLayout:
     tp = config.tensor_parallel_size
-    shard = ShardLayout.for_rank(model_config, 0, tp)
+    shard = ShardLayout.for_engine(model_config, 0, config)
     max_len = config.max_model_len or model_config.max_position_embeddings
     max_blocks = -(-max_len // config.block_size)
     rows = max(config.max_num_seqs, 1)

@@ -8,6 +8,11 @@ attention heads, its KV heads, its MLP columns and its vocabulary range.
     o_proj, down_proj       row-parallel: columns split; the model all-reduces the output
     embed_tokens, lm_head   vocab-parallel: rows split (padded to tp * ceil(vocab / tp))
     norms, q/k norm         replicated
+    MoE router              replicated (every rank routes every token)
+    MoE experts             without expert parallelism: each expert's gate|up column- and
+                            down row-parallel, like the dense MLP; with it (`expert_parallel`):
+                            whole experts, split across the ranks (`expert_placement`)
+    shared expert (Qwen2)   column/row-parallel like the dense MLP; its sigmoid gate replicated
 
 KV heads are split across ranks, or replicated when tp > num_kv_heads (each
 rank then holds the one KV head its query heads read). `load_shard` reads a
@@ -22,10 +27,13 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, ModelConfig
+from engine.moe import checkpoint_sources
+from engine.moe import layer_shapes as moe_layer_shapes
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Raise ConfigError naming ``tensor_parallel_size`` when `cfg` cannot be split `tp` ways."""
+def check_tensor_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Raise ConfigError naming ``tensor_parallel_size`` when `cfg` cannot be split `tp` ways
+    (with `expert_parallel`, the experts whole across the ranks)."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
     if cfg.num_heads % tp:
@@ -35,9 +43,36 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ConfigError(
             f"tensor_parallel_size: {tp} must divide num_key_value_heads ({cfg.num_kv_heads}) "
             f"or be a multiple of it (then each KV head is replicated)")
-    if cfg.intermediate_size % tp:
+    has_dense_mlp = len(cfg.moe_layers) < cfg.num_layers
+    if has_dense_mlp and cfg.intermediate_size % tp:
         raise ConfigError(
             f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({cfg.intermediate_size})")
+    if not cfg.is_moe:
+        return
+    if cfg.shared_expert_intermediate_size % tp:
+        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the model's "
+                          f"shared_expert_intermediate_size ({cfg.shared_expert_intermediate_size})")
+    if expert_parallel and tp > cfg.num_experts:
+        raise ConfigError(f"enable_expert_parallel: tensor_parallel_size {tp} exceeds the model's "
+                          f"{cfg.num_experts} experts (a rank would hold none); use a smaller size or no "
+                          "expert parallelism")
+    if not expert_parallel and cfg.moe_intermediate_size % tp:
+        raise ConfigError(
+            f"tensor_parallel_size: {tp} does not divide the experts' intermediate size "
+            f"({cfg.moe_intermediate_size}); use a size that does, or enable_expert_parallel")
+
+
+def expert_ranks(num_experts: int, size: int, placement: str = "contiguous") -> list[tuple[int, ...]]:
+    """The expert ids each of `size` ranks holds under expert parallelism, ascending.
+    contiguous: ranges, the first num_experts % size ranks one expert more (uneven splits are
+    fine: a rank with more experts just has more to run); round_robin: expert e on rank e % size."""
+    if placement == "round_robin":
+        return [tuple(range(r, num_experts, size)) for r in range(size)]
+    if placement != "contiguous":
+        raise ConfigError(f"expert_placement: must be 'contiguous' or 'round_robin', got {placement!r}")
+    base, extra = divmod(num_experts, size)
+    starts = [r * base + min(r, extra) for r in range(size + 1)]
+    return [tuple(range(starts[r], starts[r + 1])) for r in range(size)]
 
 
 def kv_heads_of(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
@@ -63,15 +98,33 @@ class ShardLayout:
     vocab_start: int  # [vocab_start, vocab_start + vocab_shard) of the padded vocabulary
     vocab_shard: int  # rows of the embedding / LM head held (the last rank's may be padding)
     vocab_size: int  # the model's real vocabulary
+    experts: tuple[int, ...] = ()  # MoE: the expert ids this rank holds (all without expert parallelism)
+    moe_intermediate_size: int = 0  # MoE: columns of each held expert on this rank
+    shared_intermediate_size: int = 0  # Qwen2-MoE: columns of the shared expert on this rank
+    expert_parallel: bool = False
 
     @classmethod
-    def for_rank(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
-        check_tensor_parallel(cfg, size)
+    def for_engine(cls, cfg: ModelConfig, rank: int, config) -> ShardLayout:
+        """The layout of `rank` under an EngineConfig's parallelism settings."""
+        return cls.for_rank(cfg, rank, config.tensor_parallel_size, config.enable_expert_parallel,
+                            config.expert_placement)
+
+    @classmethod
+    def for_rank(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False,
+                 expert_placement: str = "contiguous") -> ShardLayout:
+        check_tensor_parallel(cfg, size, expert_parallel)
         nh = cfg.num_heads // size
         kv0, nkv = kv_heads_of(cfg.num_kv_heads, rank, size)
         vs = -(-cfg.vocab_size // size)
+        moe = {}
+        if cfg.is_moe:
+            ep = expert_parallel and size > 1
+            moe = dict(experts=expert_ranks(cfg.num_experts, size, expert_placement)[rank] if ep
+                       else tuple(range(cfg.num_experts)),
+                       moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else size),
+                       shared_intermediate_size=cfg.shared_expert_intermediate_size // size, expert_parallel=ep)
         return cls(rank, size, nh, nkv, rank * nh, kv0, cfg.intermediate_size // size,
-                   rank * vs, vs, cfg.vocab_size)
+                   rank * vs, vs, cfg.vocab_size, **moe)
 
     @property
     def is_sharded(self) -> bool:
@@ -124,6 +177,19 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
                          p + "self_attn.v_proj.bias": WeightShard(0, *kv)})
         if cfg.qk_norm:
             plan.update({p + "self_attn.q_norm.weight": whole, p + "self_attn.k_norm.weight": whole})
+    for i in cfg.moe_layers:
+        p = f"model.layers.{i}."
+        for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del plan[p + name]
+        cols = layout.rank * layout.moe_intermediate_size, (layout.rank + 1) * layout.moe_intermediate_size
+        if layout.expert_parallel:
+            cols = 0, layout.moe_intermediate_size
+        shared = layout.rank * layout.shared_intermediate_size, (layout.rank + 1) * layout.shared_intermediate_size
+        for name in moe_layer_shapes(cfg, i, layout.experts):
+            kind = name.rsplit(".", 2)[-2]  # gate | gate_proj | up_proj | down_proj | shared_expert_gate
+            span = shared if ".shared_expert." in name else cols
+            plan[name] = (whole if kind in ("gate", "shared_expert_gate")
+                          else WeightShard(1 if kind == "down_proj" else 0, *span))
     return plan
 
 
@@ -143,6 +209,18 @@ def _read_slice(f, name: str, shard: WeightShard, dtype: torch.dtype) -> torch.T
     return _pad(t.to(dtype).contiguous(), shard)
 
 
+def _check_and_cut(folder, name: str, t: torch.Tensor, shape: tuple[int, ...], shard: WeightShard,
+                   dtype: torch.dtype) -> torch.Tensor:
+    from engine.weights import CheckpointError
+
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"{folder}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)} "
+                              "from config.json")
+    if shard.dim is not None:
+        t = t.narrow(shard.dim, shard.start, shard.stop - shard.start)
+    return t.to(dtype).contiguous()
+
+
 def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = torch.float32
                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """`engine.weights.load_checkpoint` for one rank: the config, and this rank's piece of
@@ -150,6 +228,7 @@ def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = tor
     safetensors files, so the rank never holds a full tensor it does not keep."""
     from safetensors import SafetensorError, safe_open
 
+    from engine.moe import LayoutError
     from engine.weights import CheckpointError, _weight_files, expected_shapes, read_config
 
     folder = Path(folder)
@@ -160,14 +239,20 @@ def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = tor
     for path in _weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name not in plan:
-                        continue
-                    got = tuple(f.get_slice(name).get_shape())
-                    if got != shapes[name]:
-                        raise CheckpointError(f"{folder}: tensor {name!r} has shape {list(got)}, "
-                                              f"expected {list(shapes[name])} from config.json")
-                    out[name] = _read_slice(f, name, plan[name], dtype)
+                for key in f.keys():
+                    got = tuple(f.get_slice(key).get_shape())
+                    for name, read in checkpoint_sources(cfg, key, got, f.get_slice):
+                        if name not in plan:
+                            continue
+                        if name != key:  # an expert out of another layout: read whole, then cut
+                            out[name] = _check_and_cut(folder, name, read(), shapes[name], plan[name], dtype)
+                            continue
+                        if got != shapes[name]:
+                            raise CheckpointError(f"{folder}: tensor {name!r} has shape {list(got)}, "
+                                                  f"expected {list(shapes[name])} from config.json")
+                        out[name] = _read_slice(f, name, plan[name], dtype)
+        except LayoutError as e:
+            raise CheckpointError(f"{folder}: {e}") from e
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
     if "lm_head.weight" not in out and not cfg.tie_word_embeddings:

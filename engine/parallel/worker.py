@@ -118,6 +118,7 @@ def memory_report(model) -> RankMemory:
             continue
         seen.add(id(t))
         weight_bytes += t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
+    weight_bytes += sum(m.nbytes for m in getattr(model, "moe", ()) if m is not None)  # experts (engine/moe.py)
     status = {}
     try:
         for line in open("/proc/self/status"):
@@ -162,12 +163,12 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         comm = shm if spec.gloo_init_method is None else GlooCollectives(
             spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
         cfg = read_config(spec.model_dir)
-        layout = ShardLayout.for_rank(cfg, spec.rank, spec.size)
+        layout = ShardLayout.for_engine(cfg, spec.rank, config)
         _, weights = load_shard(spec.model_dir, layout, torch.float32)
         dtype_name = pick_dtype(config.dtype, config.device)
         max_len = config.max_model_len or cfg.max_position_embeddings
         model = LlamaModel(cfg, weights, torch_dtype(dtype_name), config.device, max_positions=max_len,
-                           kernel_isa=config.kernel_isa, shard=layout, comm=comm)
+                           kernel_isa=config.kernel_isa, shard=layout, comm=comm, moe_dispatch=config.moe_dispatch)
         del weights
         init = np.frombuffer(shm.recv(), dtype=np.int64)
         if init[0] == STOP:  # rank 0 gave up while starting

@@ -164,3 +164,6 @@ class LoadReport:
     num_sending: int = 0  # prefill: transfers in flight
     num_incoming: int = 0  # decode: reservations waiting for their KV
     error: str = ""  # why the loop died (is_alive False), e.g. a tensor-parallel rank gone
+    # a mixture of experts: tokens routed to each expert since start, summed over the sparse
+    # layers (EngineCore.expert_load has them per layer); empty for a dense model
+    expert_load: tuple[int, ...] = ()
