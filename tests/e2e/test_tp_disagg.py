@@ -73,3 +73,27 @@ def test_prefill_and_decode_at_different_tp_equal_engine_tp1(ray_instance, model
     assert len(placement_groups()) == groups_before
     assert wait_gone(every) == []
     assert segments(every) == set()
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory, default_model_dir):
+    """A tiny random Qwen3-MoE (4 experts, top-2) with the default model's tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-moe-disagg")
+    save_tiny_model_with_tokenizer(folder, default_model_dir, kind="qwen3_moe")
+    return folder
+
+
+def test_moe_prefill_with_expert_parallelism_hands_off_to_a_tp1_decode(ray_instance, moe_model, prompts):
+    """The KV is attention's only: the reshard plan applies unchanged between an expert-parallel
+    prefill (TP=2, EP) and a TP=1 decode."""
+    llm = LLM(str(moe_model), dtype="float32", num_kv_blocks=128)
+    want = [o.token_ids for o in llm.generate(prompts[:8], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                            ignore_eos=True))]
+    spec = _spec(moe_model, 2, 1, "grpc")
+    spec["prefill"]["enable_expert_parallel"] = True
+    with running_cluster(spec) as rc:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: list(rc.client.generate(token_ids=p, max_tokens=MAX_TOKENS, temperature=0,
+                                                                  ignore_eos=True).token_ids), prompts[:8]))
+        assert got == want
+        assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}

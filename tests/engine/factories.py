@@ -76,7 +76,7 @@ def hf_greedy_mismatch(hf_model, prompt: list[int], output: list[int], margin: f
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def save_tiny_model_with_tokenizer(folder: Path, tokenizer_dir: Path, **overrides):
+def save_tiny_model_with_tokenizer(folder: Path, tokenizer_dir: Path, kind: str = "llama", **overrides):
     """A tiny random llama sized to, and saved with, the tokenizer of
     `tokenizer_dir` (the default model's), so prompts and outputs are text."""
     import json
@@ -86,7 +86,7 @@ def save_tiny_model_with_tokenizer(folder: Path, tokenizer_dir: Path, **override
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
-    return save_tiny_model(folder, "llama", **dict({"vocab_size": vocab, "max_position_embeddings": 512}, **overrides))
+    return save_tiny_model(folder, kind, **dict({"vocab_size": vocab, "max_position_embeddings": 512}, **overrides))
 
 
 def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | None = None, **overrides):
