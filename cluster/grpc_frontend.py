@@ -158,6 +158,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+            repetition_penalty=opt("repetition_penalty"), logit_bias=dict(s.logit_bias),
         )
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
                                timeline=request.timeline)

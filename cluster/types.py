@@ -34,7 +34,9 @@ class SamplingParams:
     convention; the frontends read a client's top_k of 0 as -1); a
     ``temperature`` of 0 means greedy. ``logprobs`` is the number of top
     alternatives to return per generated token (None: no logprobs at all;
-    0: only the sampled token's logprob).
+    0: only the sampled token's logprob). The penalties and ``logit_bias``
+    are `engine.sampling.SamplingParams`' (0, 0, 1 and none: off);
+    ``logit_bias`` is (token id, bias) pairs.
     """
 
     max_tokens: int = 16
@@ -47,6 +49,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

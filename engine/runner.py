@@ -88,5 +88,6 @@ class ModelRunner:
         with phase(SAMPLE):
             logits = self.model.compute_logits(hidden[sample_rows])
             tokens, infos = self.sampler(
-                logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers])
+                logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers],
+                [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}
