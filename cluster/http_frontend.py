@@ -5,6 +5,7 @@ Endpoints:
     POST /v1/completions        prompt: a string, token ids, or a list of either (a choice each)
     POST /v1/chat/completions   messages through the model's chat template
     GET  /v1/models, /v1/models/{id}
+    POST /v1/responses          OpenAI's Responses API, text (`cluster.openai_responses`)
     POST /tokenize, /detokenize as vLLM serves them (`cluster.openai_tokenize`)
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
@@ -54,6 +55,7 @@ from aiohttp import web
 from cluster import errors
 from cluster import health as health_check
 from cluster import openai_protocol as oai
+from cluster import openai_responses as rsp
 from cluster import openai_tokenize as tok
 from cluster.backend import Backend
 from cluster.metrics import CONTENT_TYPE, ServingMetrics
@@ -135,6 +137,7 @@ class HttpFrontend:
         app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
@@ -183,11 +186,17 @@ class HttpFrontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, oai.ChatResponses)
 
-    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, None)
+
+    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses] | None
                         ) -> web.StreamResponse:
+        """``responses`` None: the Responses API's objects."""
         task = asyncio.current_task()
         self._running.add(task)
         try:
+            if responses is None:
+                return await self._run_response(request)
             return await self._run(request, responses)
         finally:
             self._running.discard(task)
@@ -308,6 +317,45 @@ class HttpFrontend:
                 return await _collect_choices(choices, outs, deltas)
             finally:
                 await deltas.aclose()
+
+    # ---- the Responses API ------------------------------------------------------------
+    async def _run_response(self, request: web.Request) -> web.StreamResponse:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            self.metrics.count_rejected("http", "unauthenticated")
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        try:
+            body = oai.parse_body(rsp.ResponsesBody, await request.read())
+            req = rsp.to_generate_request(body, self.backend, "resp_" + uuid.uuid4().hex)
+        except InvalidRequestError as e:
+            self.metrics.count_rejected("http", "invalid_request")
+            return _invalid(e)
+        objects = rsp.ResponseObjects(body, req, self.backend.model_name)
+        running = run_request(self.backend, req, self.metrics.start_request("http", req))
+        async with contextlib.aclosing(running) as deltas:
+            try:
+                first = await anext(deltas)
+            except InvalidRequestError as e:
+                return _invalid(e)
+            except Exception as e:
+                return _failed(_raised(req, e))
+            if first.finish_reason is FinishReason.ERROR:
+                return _failed(errors.request_failed(first.error))
+            if body.stream:
+                return await _stream_response(request, req, objects, first, deltas)
+            parts, num_tokens, delta = [], 0, first
+            while True:
+                if delta.finish_reason is FinishReason.ERROR:
+                    return _failed(errors.request_failed(delta.error))
+                parts.append(delta.text)
+                num_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    break
+                try:
+                    delta = await anext(deltas)
+                except Exception as e:
+                    return _failed(_raised(req, e))
+            return web.json_response(objects.response("".join(parts), delta.finish_reason, num_tokens,
+                                                      delta.num_cached_tokens))
 
     # ---- the rest --------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -445,4 +493,47 @@ async def _stream_choices(request: web.Request, choices: list[oai.Choice], outs:
         await response.write_eof()
     except ConnectionError:  # the client went away; closing the streams aborts the requests
         log.info("client of request %s disconnected", outs[0].request_id)
+    return response
+
+
+async def _stream_response(request: web.Request, req: GenerateRequest, objects: rsp.ResponseObjects,
+                           first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
+    """The Responses API's events (``event: <type>`` and its ``data:``); a failure mid-stream is an ``error``
+    event, as OpenAI sends it."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(event: dict) -> None:
+        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+                             .encode())
+
+    async def fail(failure: errors.Failure) -> None:
+        await send(objects.event("error", code=failure.openai_code or failure.code.openai_code,
+                                 message=failure.message, param=failure.field))
+
+    parts, num_tokens, delta = [], 0, first
+    try:
+        for event in objects.opening():
+            await send(event)
+        while True:
+            if delta.finish_reason is FinishReason.ERROR:
+                await fail(errors.request_failed(delta.error))
+                break
+            num_tokens += len(delta.token_ids)
+            if delta.text:
+                parts.append(delta.text)
+                await send(objects.delta(delta.text))
+            if delta.finish_reason is not None:
+                for event in objects.closing("".join(parts), delta.finish_reason, num_tokens,
+                                             delta.num_cached_tokens):
+                    await send(event)
+                break
+            try:
+                delta = await anext(deltas)
+            except Exception as e:
+                await fail(_raised(req, e))
+                break
+        await response.write_eof()
+    except ConnectionError:
+        log.info("client of request %s disconnected", req.request_id)
     return response

@@ -121,3 +121,17 @@ def test_n_and_a_list_of_prompts(client, model, cluster):
     assert [c.index for c in both.choices] == [0, 1] and both.choices[1].text == alone.choices[0].text
     assert both.usage.prompt_tokens == greedy.usage.prompt_tokens + alone.usage.prompt_tokens
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
+
+
+def test_the_responses_api_answers_as_a_chat_would(client, model, cluster):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    whole = client.responses.create(model=model, instructions="Be brief.", input="Name a color.",
+                                    max_output_tokens=10, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model=model, instructions="Be brief.", input="Name a color.",
+                                          max_output_tokens=10, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
