@@ -53,7 +53,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     def __init__(self, backend: Backend, api_keys: tuple[str, ...] = (), metrics: ServingMetrics | None = None):
         self.backend = backend
         self._api_keys = ApiKeys(api_keys)
-        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.metrics = metrics if metrics is not None else ServingMetrics(backend.model_name)
         self._active: set[str] = set()
 
     # ---- RPCs ----------------------------------------------------------------

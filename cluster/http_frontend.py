@@ -125,7 +125,7 @@ class HttpFrontend:
     def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
         self.backend = backend
         self.config = config
-        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.metrics = metrics if metrics is not None else ServingMetrics(backend.model_name)
         self._api_keys = ApiKeys(config.api_keys)
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None

@@ -70,11 +70,15 @@ class ServedFrontends:
             return e.code, json.loads(e.read())
 
     def scrape(self) -> dict:
-        """{(sample name, ((label, value), ...)): value} from /metrics."""
+        """{(sample name, ((label, value), ...)): value} from /metrics; every sample's model_name label is the
+        served model's (checked here, then left out of the key)."""
         status, text = self.get("/metrics")
         assert status == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+        samples = [s for family in text_string_to_metric_families(text.decode()) for s in family.samples]
+        assert all(s.labels.get("model_name") == self.backend.model_name for s in samples), \
+            [s.name for s in samples if s.labels.get("model_name") != self.backend.model_name]
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for s in samples}
 
     def close(self):
         self.call(self.frontends.stop(0))
@@ -406,6 +410,12 @@ def test_metrics_after_requests(served):
     assert [name for name, labels in after if labels == dead] == ["kvrelay_replica_up"]
     assert _count(after, "kvrelay_requests_in_flight", frontend="http") == 0
     assert ("kvrelay_router_waiting_requests", ()) in after
+    # per finished request (stop and length; not the refused ones): lengths, decode time and TPOT
+    assert grew("kvrelay_request_prompt_tokens_sum") == 4 + 7 and grew("kvrelay_request_prompt_tokens_count") == 2
+    assert grew("kvrelay_request_generation_tokens_sum") == 4 + 3
+    assert grew("kvrelay_request_decode_time_seconds_count") == 2
+    assert grew("kvrelay_request_time_per_output_token_seconds_count") == 2
+    assert _count(after, "kvrelay_replica_kv_blocks", stage="colocated", replica="c0") == 100
 
 
 def test_grpc_records_into_the_same_metrics(served):
