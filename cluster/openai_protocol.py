@@ -25,7 +25,7 @@ from cluster.errors import quote
 from cluster.serving import encode_chat, encode_text
 from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
 from cluster.validation import check_model, validate_request
-from engine.sampling import stream_seed
+from engine.sampling import MAX_CHOICES, choice_seed
 
 
 class _Body(BaseModel):
@@ -36,7 +36,7 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels; kvrelay sends none
 
-MAX_CHOICES = 16  # n, and prompts times n
+# MAX_CHOICES (engine.sampling) bounds n, and prompts times n
 
 
 class _GenerateBody(_Body):
@@ -147,11 +147,6 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
             choices.append(Choice(i * n + j, dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling)
                                   if n > 1 else req, i, echo_text))
     return choices
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """Choice ``index``'s seed in a request seeded with ``seed`` (0: the seed itself)."""
-    return seed if index == 0 else stream_seed(seed ^ 0x5EED_C401CE, index)
 
 
 def _echo_text(tokenizer: Tokenizer, prompt: Any, token_ids: list[int]) -> str:

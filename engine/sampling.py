@@ -1,6 +1,7 @@
 """Sampling parameters, validated. Plain Python (the sampler is `engine.sampler`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import math
@@ -24,6 +25,16 @@ def stream_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed`` and n > 1
+    (choice 0 keeps the seed, so it is what n=1 gives): with `stream_seed`, a
+    draw is a function of (seed, choice index, position)."""
+    return seed if index == 0 else stream_seed(seed ^ 0x5EEDC401CE, index)
+
+
+MAX_CHOICES = 16  # n
 
 
 class SamplingError(ValueError):
@@ -50,6 +61,8 @@ class SamplingParams:
     # vLLM's, > 0, on the prompt and the output so far: a positive logit divided by it, a negative one multiplied
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    # choices: the prompt is computed once and its full blocks shared by the n sequences (`Sequence.fork_of`)
+    n: int = 1
 
     def __post_init__(self):
         if self.top_k == 0 and not isinstance(self.top_k, bool):
@@ -64,6 +77,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of one of the n choices: n=1, and its own seed (`choice_seed`)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else choice_seed(self.seed, index),
+                                   stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                   logit_bias=dict(self.logit_bias))
 
     @property
     def has_penalties(self) -> bool:
@@ -102,6 +121,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            bad("n", f"must be an integer in [1, {MAX_CHOICES}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, "must be in [-2, 2]")

@@ -92,6 +92,9 @@ class Sequence:
     # prefill-only sequences stop after their first token and keep their blocks
     # (the prefill stage frees them once the KV transfer has finished)
     prefill_only: bool = False
+    # choice j > 0 of a request with n > 1: shares the full blocks of this sequence's prompt (the same
+    # prompt) once it has computed them, instead of computing them again (`KVCacheManager.admit`)
+    fork_of: Sequence | None = field(default=None, repr=False, compare=False)
 
     @property
     def token_ids(self) -> list[int]:
