@@ -432,9 +432,12 @@ async def _merged(streams: list[AsyncIterator[GenerateDelta]], firsts: list[Gene
 
 
 def _choices_usage(choices: list[oai.Choice], num_tokens: list[int], num_cached: list[int]) -> dict:
-    """Each prompt counted once, however many choices it has; every choice's completion tokens."""
+    """Each prompt counted once, however many choices it has, with the most of its tokens that one of its
+    choices reused (choices after the first share the first's prompt blocks); every choice's completion tokens."""
     prompts = {c.prompt_index: c.request for c in choices}
-    cached = {c.prompt_index: n for c, n in zip(choices, num_cached)}
+    cached: dict[int, int] = {}
+    for c, n in zip(choices, num_cached):
+        cached[c.prompt_index] = max(n, cached.get(c.prompt_index, 0))
     return oai.usage(sum(r.num_prompt_tokens for r in prompts.values()), sum(num_tokens), sum(cached.values()))
 
 

@@ -144,8 +144,10 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
             sampling = req.sampling
             if j and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, j))
-            choices.append(Choice(i * n + j, dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling)
-                                  if n > 1 else req, i, echo_text))
+            if n > 1:  # choice j > 0 runs beside choice 0 and shares its prompt's blocks there
+                req_j = dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling,
+                                            fork_of=f"{rid}-0" if j else None)
+            choices.append(Choice(i * n + j, req_j if n > 1 else req, i, echo_text))
     return choices
 
 

@@ -65,6 +65,8 @@ class GenerateRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     timeline: bool = False  # return a RequestTimeline on the last delta
     arrival_wall_time: float = field(default_factory=time.time)  # the timeline's zero
+    # a sibling choice (n > 1) with the same prompt: placed beside it, this request shares its prompt's blocks
+    fork_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+import uuid
 from collections import Counter
 
 import openai
@@ -111,6 +112,7 @@ def test_logit_bias_forces_and_bans_a_token(client, model, cluster):
 def test_n_and_a_list_of_prompts(client, model, cluster):
     greedy = client.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=12, temperature=0)
     assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert_forked(client, model)
     seeded = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story."}],
                                              n=3, max_tokens=12, temperature=1.0, seed=42) for _ in range(2)]
     texts = [[c.message.content for c in r.choices] for r in seeded]
@@ -121,6 +123,18 @@ def test_n_and_a_list_of_prompts(client, model, cluster):
     assert [c.index for c in both.choices] == [0, 1] and both.choices[1].text == alone.choices[0].text
     assert both.usage.prompt_tokens == greedy.usage.prompt_tokens + alone.usage.prompt_tokens
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
+
+
+def assert_forked(client, model) -> None:
+    """The choices after the first computed only the prompt's last partial block on the prefill (or colocated)
+    replica: a fresh prompt (no cache to hit) reports its full blocks as reused. All three choices start at the
+    same moment, so without the fork each would compute the whole prompt."""
+    prompt = f"{uuid.uuid4().hex} is a fresh prompt of some forty tokens, so that two full blocks of sixteen " \
+             "are shared by the choices"
+    r = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=4, temperature=0)
+    full = (r.usage.prompt_tokens - 1) // 16 * 16
+    assert full >= 16 and r.usage.prompt_tokens_details.cached_tokens == full
+    assert len({c.text for c in r.choices}) == 1
 
 
 def test_the_responses_api_answers_as_a_chat_would(client, model, cluster):
