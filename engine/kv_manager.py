@@ -34,11 +34,15 @@ class KVCacheManager:
         sibling is still computing them (try again next step)."""
         parent = seq.fork_of
         num_shared = (seq.num_tokens - 1) // self.block_size
-        if parent is None or num_shared == 0 or parent.is_finished or not parent.block_ids:
+        if parent is None or num_shared == 0 or not parent.block_ids:
             self.match_prefix(seq)  # a sibling gone or preempted: the prefix cache may still hold its blocks
             return True
         if parent.num_computed_tokens < num_shared * self.block_size:
+            if parent.is_finished:  # it will compute no more
+                self.match_prefix(seq)
+                return True
             return False
+        # a sibling still holding its blocks, finished or not (a prefill-only one keeps them while they are sent)
         shared = parent.block_ids[:num_shared]
         self.pool.fork(shared)
         seq.block_ids = list(shared)

@@ -12,7 +12,8 @@ from tests.e2e.test_openai_surface import assert_forked
 
 @pytest.fixture(scope="module")
 def served(ray_instance):
-    with running_cluster(colocated_spec(1)) as rc:
+    # no prefix cache: the prompt blocks the choices reuse can only come from the fork
+    with running_cluster(colocated_spec(1, colocated={"enable_prefix_caching": False})) as rc:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{rc.http_port}/v1", api_key="unused", max_retries=0,
                                timeout=120)
         yield rc, client, client.models.list().data[0].id

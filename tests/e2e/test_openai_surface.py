@@ -24,7 +24,10 @@ TOP = 20
 
 @pytest.fixture(scope="module")
 def cluster(ray_instance):
-    with running_cluster(disagg_spec(1, 1, "grpc")) as rc:
+    # no prefix cache on the prefill replica: the prompt blocks n's choices reuse can only come from the fork
+    spec = disagg_spec(1, 1, "grpc")
+    spec["prefill"]["enable_prefix_caching"] = False
+    with running_cluster(spec) as rc:
         yield rc
 
 
@@ -127,8 +130,7 @@ def test_n_and_a_list_of_prompts(client, model, cluster):
 
 def assert_forked(client, model) -> None:
     """The choices after the first computed only the prompt's last partial block on the prefill (or colocated)
-    replica: a fresh prompt (no cache to hit) reports its full blocks as reused. All three choices start at the
-    same moment, so without the fork each would compute the whole prompt."""
+    replica, whose prefix cache is off: the prompt's full blocks are reported reused, which only the fork does."""
     prompt = f"{uuid.uuid4().hex} is a fresh prompt of some forty tokens, so that two full blocks of sixteen " \
              "are shared by the choices"
     r = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=4, temperature=0)

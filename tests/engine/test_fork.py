@@ -56,6 +56,21 @@ def test_a_waiting_fork_lets_others_pass_and_a_chunked_prompt_is_waited_for():
     assert sched.kv.pool.is_fully_free()
 
 
+def test_a_prefill_only_first_choice_still_holding_its_blocks_is_shared():
+    """On a prefill replica the first choice finishes at its first token but keeps its blocks while they are
+    sent: a fork admitted then still shares them."""
+    sched = make(budget=64)
+    lead, b = _group(2, 10)
+    lead.prefill_only = b.prefill_only = True
+    sched.add(lead)
+    sched.add(b)
+    assert plan(step(sched)) == [("r", 0, 10)] and lead.is_finished and lead.block_ids
+    assert plan(step(sched)) == [("r#1", 8, 2)] and b.block_ids[:2] == lead.block_ids[:2]
+    for s in (lead, b):
+        sched.kv.free(s)  # what the prefill stage does once each transfer is done
+    assert sched.kv.pool.is_fully_free()
+
+
 def test_a_fork_whose_first_choice_is_gone_computes_the_prompt_itself():
     sched = make(budget=64)
     lead, b = _group(2, 10)
