@@ -113,3 +113,20 @@ def test_through_the_engine_logit_bias_forces_and_bans(llm):
     banned = _gen(llm, logit_bias={plain[0]: -100.0})
     assert plain[0] not in banned
     assert llm.core.is_idle()
+
+
+def test_a_resumed_request_scores_its_tokens_so_far_as_if_it_had_made_them(llm):
+    """What a migration does (cluster.ray_backend resumes with the output the client has): the penalty state
+    is rebuilt from prompt + output, so the continuation equals the uninterrupted run's."""
+    from engine.sequence import Sequence
+
+    params = dict(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=0.7, frequency_penalty=0.4,
+                  repetition_penalty=1.3, logit_bias={7: 1.5})
+    whole = _gen(llm, **{k: v for k, v in params.items() if k not in ("max_tokens", "temperature", "ignore_eos")})
+    assert whole != _gen(llm)  # the penalties matter here
+    seq = Sequence("resumed", [5, 9, 14, 3], SamplingParams(**params), output_token_ids=list(whole[:10]))
+    llm.core.add(seq)
+    while not seq.is_finished:
+        llm.core.step()
+    assert seq.output_token_ids == whole
+    assert llm.core.is_idle()
