@@ -84,7 +84,9 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  logprobs: int | None = None, timeline: bool = False,
+                  logprobs: int | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, timeline: bool = False,
                   guided: dict | None = None) -> pb.GenerateRequest:
     """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
     ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``guided``: structured
@@ -94,8 +96,10 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                "min_p": min_p, "seed": seed, "logprobs": logprobs}
+                "min_p": min_p, "seed": seed, "logprobs": logprobs, "presence_penalty": presence_penalty,
+                "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty}
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                 logit_bias=dict(logit_bias or {}),
                                  **{k: v for k, v in optional.items() if v is not None})
     req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling, timeline=timeline)
     if guided is not None:

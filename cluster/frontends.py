@@ -49,7 +49,7 @@ async def serve_frontends(backend: Backend, config: FrontendConfig,
     If the HTTP port cannot be bound, the gRPC server is stopped again and
     the error raised.
     """
-    metrics = metrics if metrics is not None else ServingMetrics()
+    metrics = metrics if metrics is not None else ServingMetrics(backend.model_name)
     grpc_frontend = GrpcFrontend(backend, config, metrics)
     await grpc_frontend.start()
     http_frontend = None

@@ -54,7 +54,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     def __init__(self, backend: Backend, api_keys: tuple[str, ...] = (), metrics: ServingMetrics | None = None):
         self.backend = backend
         self._api_keys = ApiKeys(api_keys)
-        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.metrics = metrics if metrics is not None else ServingMetrics(backend.model_name)
         self._active: set[str] = set()
 
     # ---- RPCs ----------------------------------------------------------------
@@ -160,6 +160,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
             guided=_guided(request), guided_field=f"guided.{request.guided.WhichOneof('constraint')}",
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+            repetition_penalty=opt("repetition_penalty"), logit_bias=dict(s.logit_bias),
         )
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
                                timeline=request.timeline)

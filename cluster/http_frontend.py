@@ -2,9 +2,11 @@
 
 Endpoints:
 
-    POST /v1/completions        prompt: a string, a list of one string, or token ids
+    POST /v1/completions        prompt: a string, token ids, or a list of either (a choice each)
     POST /v1/chat/completions   messages through the model's chat template, with tools (cluster.tools)
     GET  /v1/models, /v1/models/{id}
+    POST /v1/responses          OpenAI's Responses API, text (`cluster.openai_responses`)
+    POST /tokenize, /detokenize as vLLM serves them (`cluster.openai_tokenize`)
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
     GET  /metrics               Prometheus text (no key needed)
@@ -56,9 +58,11 @@ from aiohttp import web
 from cluster import errors
 from cluster import health as health_check
 from cluster import openai_protocol as oai
+from cluster import openai_responses as rsp
+from cluster import openai_tokenize as tok
 from cluster.backend import Backend
 from cluster.metrics import CONTENT_TYPE, ServingMetrics
-from cluster.serving import ApiKeys, run_request
+from cluster.serving import INCOMPLETE_STREAM, ApiKeys, run_request
 from cluster.spec import FrontendConfig
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
 
@@ -124,7 +128,7 @@ class HttpFrontend:
     def __init__(self, backend: Backend, config: FrontendConfig, metrics: ServingMetrics | None = None):
         self.backend = backend
         self.config = config
-        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.metrics = metrics if metrics is not None else ServingMetrics(backend.model_name)
         self._api_keys = ApiKeys(config.api_keys)
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -136,6 +140,9 @@ class HttpFrontend:
         app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -182,11 +189,17 @@ class HttpFrontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, oai.ChatResponses)
 
-    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, None)
+
+    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses] | None
                         ) -> web.StreamResponse:
+        """``responses`` None: the Responses API's objects."""
         task = asyncio.current_task()
         self._running.add(task)
         try:
+            if responses is None:
+                return await self._run_response(request)
             return await self._run(request, responses)
         finally:
             self._running.discard(task)
@@ -196,14 +209,18 @@ class HttpFrontend:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             self.metrics.count_rejected("http", "unauthenticated")
             return _error(401, problem, "authentication_error", code="invalid_api_key")
+        response_id = responses.id_prefix + uuid.uuid4().hex
         try:
             body = oai.parse_body(responses.body_type, await request.read())
             tools = (oai.chat_tools(body, self.backend, self.config.tool_call_format)
                      if isinstance(body, oai.ChatBody) else None)
-            req = oai.to_generate_request(body, self.backend, responses.id_prefix + uuid.uuid4().hex, tools)
+            choices = oai.to_choices(body, self.backend, response_id, tools)
         except InvalidRequestError as e:
             self.metrics.count_rejected("http", "invalid_request")
             return _invalid(e)
+        if len(choices) > 1 or choices[0].echo_text:
+            return await self._run_choices(request, responses, body, response_id, choices, tools)
+        req = choices[0].request
         out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
                         with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage,
                         **({"tools": tools} if tools is not None else {}))
@@ -278,6 +295,74 @@ class HttpFrontend:
             log.info("client of request %s disconnected", req.request_id)
         return response
 
+    # ---- several choices (a list of prompts, n > 1) or echo -------------------------
+    async def _run_choices(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses],
+                           body, response_id: str, choices: list[oai.Choice], tools=None) -> web.StreamResponse:
+        """Every choice runs as its own request, all at once; the response starts once each has its first
+        delta (a refusal of any is the response's status), and a failure of any fails the response."""
+        text_of = oai.token_text(self.backend.tokenizer)
+        outs = [responses(response_id, self.backend.model_name, text_of,
+                          with_logprobs=c.request.sampling.logprobs is not None, include_usage=body.include_usage,
+                          index=c.index, **({"tools": tools} if tools is not None else {})) for c in choices]
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(contextlib.aclosing(
+                run_request(self.backend, c.request, self.metrics.start_request("http", c.request))))
+                for c in choices]
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+            for c, first in zip(choices, firsts):
+                if isinstance(first, InvalidRequestError):
+                    return _invalid(first)
+                if isinstance(first, BaseException):
+                    return _failed(_raised(c.request, first))
+                if first.finish_reason is FinishReason.ERROR:
+                    return _failed(errors.request_failed(first.error))
+            deltas = _merged(streams, firsts)
+            try:
+                if body.stream:
+                    return await _stream_choices(request, choices, outs, deltas)
+                return await _collect_choices(choices, outs, deltas)
+            finally:
+                await deltas.aclose()
+
+    # ---- the Responses API ------------------------------------------------------------
+    async def _run_response(self, request: web.Request) -> web.StreamResponse:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            self.metrics.count_rejected("http", "unauthenticated")
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        try:
+            body = oai.parse_body(rsp.ResponsesBody, await request.read())
+            req = rsp.to_generate_request(body, self.backend, "resp_" + uuid.uuid4().hex)
+        except InvalidRequestError as e:
+            self.metrics.count_rejected("http", "invalid_request")
+            return _invalid(e)
+        objects = rsp.ResponseObjects(body, req, self.backend.model_name)
+        running = run_request(self.backend, req, self.metrics.start_request("http", req))
+        async with contextlib.aclosing(running) as deltas:
+            try:
+                first = await anext(deltas)
+            except InvalidRequestError as e:
+                return _invalid(e)
+            except Exception as e:
+                return _failed(_raised(req, e))
+            if first.finish_reason is FinishReason.ERROR:
+                return _failed(errors.request_failed(first.error))
+            if body.stream:
+                return await _stream_response(request, req, objects, first, deltas)
+            parts, num_tokens, delta = [], 0, first
+            while True:
+                if delta.finish_reason is FinishReason.ERROR:
+                    return _failed(errors.request_failed(delta.error))
+                parts.append(delta.text)
+                num_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    break
+                try:
+                    delta = await anext(deltas)
+                except Exception as e:
+                    return _failed(_raised(req, e))
+            return web.json_response(objects.response("".join(parts), delta.finish_reason, num_tokens,
+                                                      delta.num_cached_tokens))
+
     # ---- the rest --------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
@@ -294,6 +379,20 @@ class HttpFrontend:
                                f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
         return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created))
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenization(request, tok.TokenizeBody, tok.tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenization(request, tok.DetokenizeBody, tok.detokenize)
+
+    async def _tokenization(self, request: web.Request, body_type, handle) -> web.Response:
+        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
+            return _error(401, problem, "authentication_error", code="invalid_api_key")
+        try:
+            return web.json_response(handle(oai.parse_body(body_type, await request.read()), self.backend))
+        except InvalidRequestError as e:
+            return _invalid(e)
+
     async def health(self, request: web.Request) -> web.Response:
         reason = await health_check.check(self.backend, STATUS_TIMEOUT_S)
         if reason is not None:
@@ -303,3 +402,147 @@ class HttpFrontend:
     async def scrape(self, request: web.Request) -> web.Response:
         await self.metrics.refresh(self.backend, STATUS_TIMEOUT_S)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _merged(streams: list[AsyncIterator[GenerateDelta]], firsts: list[GenerateDelta]
+                  ) -> AsyncIterator[tuple[int, GenerateDelta | BaseException]]:
+    """(choice position, delta or the exception its stream raised) as they come, the first deltas first; ends
+    when every stream has ended. Closing it stops the readers (the streams' owner then aborts the requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int) -> None:
+        try:
+            if not firsts[i].is_finished:
+                async for delta in streams[i]:
+                    await queue.put((i, delta))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    readers = [asyncio.create_task(read(i)) for i in range(len(streams))]
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        num_open = len(streams)
+        while num_open:
+            i, item = await queue.get()
+            if item is None:
+                num_open -= 1
+                continue
+            yield i, item
+    finally:
+        for r in readers:
+            r.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+def _choices_usage(choices: list[oai.Choice], num_tokens: list[int], num_cached: list[int]) -> dict:
+    """Each prompt counted once, however many choices it has, with the most of its tokens that one of its
+    choices reused (choices after the first share the first's prompt blocks); every choice's completion tokens."""
+    prompts = {c.prompt_index: c.request for c in choices}
+    cached: dict[int, int] = {}
+    for c, n in zip(choices, num_cached):
+        cached[c.prompt_index] = max(n, cached.get(c.prompt_index, 0))
+    return oai.usage(sum(r.num_prompt_tokens for r in prompts.values()), sum(num_tokens), sum(cached.values()))
+
+
+async def _collect_choices(choices: list[oai.Choice], outs: list, deltas) -> web.Response:
+    parts: list[list[str]] = [[c.echo_text] for c in choices]
+    lps: list[list] = [[] for _ in choices]
+    num_tokens, num_cached = [0] * len(choices), [0] * len(choices)
+    reasons: list[FinishReason | None] = [None] * len(choices)
+    async for i, delta in deltas:
+        if isinstance(delta, BaseException):
+            return _failed(_raised(choices[i].request, delta))
+        if delta.finish_reason is FinishReason.ERROR:
+            return _failed(errors.request_failed(delta.error))
+        parts[i].append(delta.text)
+        lps[i].extend(delta.logprobs or ())
+        num_tokens[i] += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            reasons[i], num_cached[i] = delta.finish_reason, delta.num_cached_tokens
+    if None in reasons:
+        return _failed(errors.request_failed(INCOMPLETE_STREAM))
+    usage = _choices_usage(choices, num_tokens, num_cached)
+    objects = [out.response("".join(p), reason, lp, usage) for out, p, reason, lp in zip(outs, parts, reasons, lps)]
+    return web.json_response(dict(objects[0], choices=[o["choices"][0] for o in objects]))
+
+
+async def _stream_choices(request: web.Request, choices: list[oai.Choice], outs: list, deltas) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(data: dict | str) -> None:
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await response.write(f"data: {text}\n\n".encode())
+
+    num_tokens, num_cached = [0] * len(choices), [0] * len(choices)
+    is_first = [True] * len(choices)
+    num_finished = 0
+    try:
+        async for i, delta in deltas:
+            if isinstance(delta, BaseException):
+                await send(_failure_body(_raised(choices[i].request, delta)))
+                break
+            if delta.finish_reason is FinishReason.ERROR:
+                await send(_failure_body(errors.request_failed(delta.error)))
+                break
+            num_tokens[i] += len(delta.token_ids)
+            text = (choices[i].echo_text if is_first[i] else "") + delta.text
+            if text or delta.logprobs or delta.finish_reason is not None or is_first[i]:
+                await send(outs[i].chunk(text, delta.finish_reason, delta.logprobs or ()))
+                is_first[i] = False
+            if delta.finish_reason is not None:
+                num_cached[i] = delta.num_cached_tokens
+                num_finished += 1
+        if num_finished == len(choices) and outs[0].include_usage:
+            await send(outs[0].usage_chunk(_choices_usage(choices, num_tokens, num_cached)))
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionError:  # the client went away; closing the streams aborts the requests
+        log.info("client of request %s disconnected", outs[0].request_id)
+    return response
+
+
+async def _stream_response(request: web.Request, req: GenerateRequest, objects: rsp.ResponseObjects,
+                           first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
+    """The Responses API's events (``event: <type>`` and its ``data:``); a failure mid-stream is an ``error``
+    event, as OpenAI sends it."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(event: dict) -> None:
+        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+                             .encode())
+
+    async def fail(failure: errors.Failure) -> None:
+        await send(objects.event("error", code=failure.openai_code or failure.code.openai_code,
+                                 message=failure.message, param=failure.field))
+
+    parts, num_tokens, delta = [], 0, first
+    try:
+        for event in objects.opening():
+            await send(event)
+        while True:
+            if delta.finish_reason is FinishReason.ERROR:
+                await fail(errors.request_failed(delta.error))
+                break
+            num_tokens += len(delta.token_ids)
+            if delta.text:
+                parts.append(delta.text)
+                await send(objects.delta(delta.text))
+            if delta.finish_reason is not None:
+                for event in objects.closing("".join(parts), delta.finish_reason, num_tokens,
+                                             delta.num_cached_tokens):
+                    await send(event)
+                break
+            try:
+                delta = await anext(deltas)
+            except Exception as e:
+                await fail(_raised(req, e))
+                break
+        await response.write_eof()
+    except ConnectionError:
+        log.info("client of request %s disconnected", req.request_id)
+    return response

@@ -15,11 +15,16 @@ sources feed it:
 3. `backend.status()`, read at scrape time (`refresh`): per-replica gauges
    labelled by ``stage`` and ``replica``, and the router's queue depth.
 
-Names (all prefixed ``kvrelay_``; times in seconds):
+Every series has a ``model_name`` label (the served model's name), as
+vLLM's do, so dashboards built for it filter the same way. Names (all
+prefixed ``kvrelay_``; times in seconds):
 
     time_to_first_token_seconds, inter_token_latency_seconds,
     e2e_request_latency_seconds, queue_time_seconds, prefill_time_seconds,
-    kv_transfer_time_seconds                                    histograms
+    kv_transfer_time_seconds, request_decode_time_seconds (first token to
+    last), request_time_per_output_token_seconds (the same over the tokens
+    after the first), request_prompt_tokens,
+    request_generation_tokens (per request)                     histograms
     requests_total{frontend, outcome}, prompt_tokens_total,
     generation_tokens_total, kv_transfer_bytes_total,
     kv_transfer_failures_total, request_migrations_total{cause},
@@ -27,7 +32,12 @@ Names (all prefixed ``kvrelay_``; times in seconds):
     requests_in_flight{frontend}, router_waiting_requests,
     replica_up / replica_running_seqs / replica_queued_prefill_tokens /
     replica_in_flight_requests / replica_kv_usage_ratio /
-    replica_kv_blocks_total / replica_restarts {stage, replica} gauges
+    replica_kv_blocks / replica_restarts {stage, replica}       gauges
+
+Compatibility: the gauge ``replica_kv_blocks`` was ``replica_kv_blocks_total``
+before 0.2 (a gauge must not end in ``_total``, which Prometheus reserves for
+counters: ``promtool check metrics`` refused it); queries on the old name
+need the new one.
 
 ``outcome`` is a finish reason (stop, length, abort, error) or why the
 request was refused (invalid_request, unauthenticated, overloaded,
@@ -58,6 +68,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DECODE_BUCKETS = E2E_BUCKETS
+TPOT_BUCKETS = ITL_BUCKETS
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
     ("replica_up", "1 if the replica is alive", lambda r: float(r.is_alive)),
@@ -67,7 +80,7 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
     ("replica_in_flight_requests", "Requests the router placed on the replica and not yet released",
      lambda r: r.num_in_flight),
     ("replica_kv_usage_ratio", "Fraction of the replica's KV cache blocks in use (0..1)", lambda r: r.kv_usage),
-    ("replica_kv_blocks_total", "KV cache blocks of the replica", lambda r: r.num_total_blocks),
+    ("replica_kv_blocks", "KV cache blocks of the replica", lambda r: r.num_total_blocks),
     ("replica_restarts", "Times the replica was replaced after it died, stalled or its loop failed",
      lambda r: r.num_restarts),
     ("replica_tensor_parallel_size", "Ranks of the replica (one process each)", lambda r: r.tensor_parallel_size),
@@ -80,7 +93,8 @@ class _StatusCollector:
     A dead replica has only ``kvrelay_replica_up`` 0: its load series are left out.
     """
 
-    def __init__(self):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
         self.status: ClusterStatus | None = None
 
     def collect(self) -> Iterator[Metric]:
@@ -88,53 +102,82 @@ class _StatusCollector:
         if status is None:
             return
         for name, doc, value in _REPLICA_GAUGES:
-            family = GaugeMetricFamily(f"kvrelay_{name}", doc, labels=["stage", "replica"])
+            family = GaugeMetricFamily(f"kvrelay_{name}", doc, labels=["model_name", "stage", "replica"])
             for r in status.replicas:
                 if r.is_alive or name == "replica_up":  # a dead replica's last load is not its load now
-                    family.add_metric([r.stage.value, r.replica_id], float(value(r)))
+                    family.add_metric([self.model_name, r.stage.value, r.replica_id], float(value(r)))
             yield family
         ranks = GaugeMetricFamily("kvrelay_replica_rank_pid", "Process id of each rank of a live replica",
-                                  labels=["stage", "replica", "rank"])
+                                  labels=["model_name", "stage", "replica", "rank"])
         for r in status.replicas:
             if r.is_alive:
                 for rank, pid in enumerate(r.rank_pids):
-                    ranks.add_metric([r.stage.value, r.replica_id, str(rank)], float(pid))
+                    ranks.add_metric([self.model_name, r.stage.value, r.replica_id, str(rank)], float(pid))
         yield ranks
-        yield GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
-                                value=status.num_waiting)
+        waiting = GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
+                                    labels=["model_name"])
+        waiting.add_metric([self.model_name], status.num_waiting)
+        yield waiting
 
 
 class ServingMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
+        """``model_name``: the served model's, the ``model_name`` label of every series."""
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         p = "kvrelay_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the frontend to the first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive generated tokens",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival at the frontend to the request's end",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "queue_time_seconds", "Arrival at the router to the start of prefill",
-                                    buckets=QUEUE_BUCKETS, registry=r)
-        self.prefill_time = Histogram(p + "prefill_time_seconds", "Start of prefill to the first token",
-                                      buckets=TTFT_BUCKETS, registry=r)
-        self.transfer_time = Histogram(p + "kv_transfer_time_seconds", "KV cache transfer of one request",
-                                       buckets=TRANSFER_BUCKETS, registry=r)
-        self.requests = Counter(p + "requests", "Requests by frontend and outcome (finish reason or refusal)",
-                                ["frontend", "outcome"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests that got a first token",
-                                     registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens sent to clients", registry=r)
-        self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV cache bytes moved between stages", registry=r)
-        self.transfer_failures = Counter(p + "kv_transfer_failures", "KV cache transfers that failed", registry=r)
-        self.migrations = Counter(p + "request_migrations", "Requests placed again after a replica failure, by cause",
-                                  ["cause"], registry=r)
-        self.lost = Counter(p + "requests_lost", "Requests a replica failure ended (migrations exhausted or off), "
-                            "by the failure's cause", ["cause"], registry=r)
-        self.in_flight = Gauge(p + "requests_in_flight", "Requests a frontend is running in the backend",
-                               ["frontend"], registry=r)
-        self._status = _StatusCollector()
+        m = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(p + name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(p + name, doc, m, registry=r).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival at the frontend to the first token",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the frontend to the request's end",
+                             E2E_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Arrival at the router to the start of prefill",
+                                    QUEUE_BUCKETS)
+        self.prefill_time = histogram("prefill_time_seconds", "Start of prefill to the first token", TTFT_BUCKETS)
+        self.transfer_time = histogram("kv_transfer_time_seconds", "KV cache transfer of one request",
+                                       TRANSFER_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "First token to the last of a request that finished", DECODE_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "A finished request's decode time over its tokens after the first", TPOT_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens generated for a finished request", TOKEN_BUCKETS)
+        self._requests = Counter(p + "requests", "Requests by frontend and outcome (finish reason or refusal)",
+                                 m + ["frontend", "outcome"], registry=r)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens sent to clients")
+        self.transfer_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between stages")
+        self.transfer_failures = counter("kv_transfer_failures", "KV cache transfers that failed")
+        self._migrations = Counter(p + "request_migrations", "Requests placed again after a replica failure, by "
+                                   "cause", m + ["cause"], registry=r)
+        self._lost = Counter(p + "requests_lost", "Requests a replica failure ended (migrations exhausted or off), "
+                             "by the failure's cause", m + ["cause"], registry=r)
+        self._in_flight = Gauge(p + "requests_in_flight", "Requests a frontend is running in the backend",
+                                m + ["frontend"], registry=r)
+        self._status = _StatusCollector(model_name)
         r.register(self._status)
+
+    def requests(self, frontend: str, outcome: str):
+        return self._requests.labels(self.model_name, frontend, outcome)
+
+    def migrations(self, cause: str):
+        return self._migrations.labels(self.model_name, cause)
+
+    def lost(self, cause: str):
+        return self._lost.labels(self.model_name, cause)
+
+    def in_flight(self, frontend: str):
+        return self._in_flight.labels(self.model_name, frontend)
 
     # ---- observations ----------------------------------------------------------
     def start_request(self, frontend: str, request: GenerateRequest) -> RequestMetrics:
@@ -142,7 +185,7 @@ class ServingMetrics:
 
     def count_rejected(self, frontend: str, outcome: str) -> None:
         """A request refused before it reached the backend (``invalid_request``, ``unauthenticated``)."""
-        self.requests.labels(frontend, outcome).inc()
+        self.requests(frontend, outcome).inc()
 
     def observe_stage_metrics(self, m: StageMetrics) -> None:
         if m.queue_time_s is not None:
@@ -178,8 +221,10 @@ class RequestMetrics:
         self._frontend = frontend
         self._arrival = request.arrival_time  # time.monotonic()
         self._num_prompt_tokens = request.num_prompt_tokens
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
-        metrics.in_flight.labels(frontend).inc()
+        self._num_tokens = 0
+        metrics.in_flight(frontend).inc()
 
     def on_delta(self, delta: GenerateDelta) -> None:
         now = time.monotonic()
@@ -187,6 +232,7 @@ class RequestMetrics:
         if n:
             m = self._m
             if self._last_token_time is None:
+                self._first_token_time = now
                 m.ttft.observe(now - self._arrival)
                 m.prompt_tokens.inc(self._num_prompt_tokens)
             else:  # a delta may carry several tokens (held back for a stop string): spread the gap
@@ -194,17 +240,25 @@ class RequestMetrics:
                 for _ in range(n):
                     m.itl.observe(gap)
             self._last_token_time = now
+            self._num_tokens += n
             m.generation_tokens.inc(n)
         if delta.stage_metrics is not None:
             self._m.observe_stage_metrics(delta.stage_metrics)
         for cause in delta.migrations:
-            self._m.migrations.labels(cause).inc()
+            self._m.migrations(cause).inc()
         if delta.lost_cause:
-            self._m.lost.labels(delta.lost_cause).inc()
+            self._m.lost(delta.lost_cause).inc()
 
     def finish(self, outcome: str) -> None:
         m = self._m
-        m.in_flight.labels(self._frontend).dec()
-        m.requests.labels(self._frontend, outcome).inc()
+        m.in_flight(self._frontend).dec()
+        m.requests(self._frontend, outcome).inc()
         if outcome not in ("overloaded", "no_replica", "invalid_request"):  # those never ran
             m.e2e.observe(time.monotonic() - self._arrival)
+        if outcome in ("stop", "length") and self._first_token_time is not None:  # it finished, with its tokens
+            decode_time = self._last_token_time - self._first_token_time
+            m.decode_time.observe(decode_time)
+            if self._num_tokens > 1:
+                m.tpot.observe(decode_time / (self._num_tokens - 1))
+            m.request_prompt_tokens.observe(self._num_prompt_tokens)
+            m.request_generation_tokens.observe(self._num_tokens)

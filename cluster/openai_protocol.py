@@ -1,18 +1,22 @@
 """OpenAI's JSON shapes: request bodies in, response objects out.
 
-Bodies are pydantic models in strict mode that ignore unknown fields (OpenAI
-clients send extras) but refuse a wrong type, naming the field
-(``temperature: input should be a valid number``). `to_generate_request`
-turns a body into a `GenerateRequest` through the shared tokenization
-(`cluster.serving`) and validation (`cluster.validation`), with its
-structured-output constraint (`cluster.structured`) and, for a chat, its
-tools (`chat_tools`, `cluster.tools`). The rest builds
-response objects from `GenerateDelta`s; `cluster.http_frontend` serves them.
+Bodies are pydantic models in strict mode that refuse a wrong type, naming
+the field (``temperature: input should be a valid number``), and refuse any
+field kvrelay does not implement (``logit_bias_mode: not supported by this
+server``): a field is honoured or refused, never accepted and dropped.
+`to_choices` turns a body into one `Choice` per answer the client gets (a
+`GenerateRequest` each: a prompt of a list, times ``n``) through the shared
+tokenization (`cluster.serving`) and validation (`cluster.validation`), with
+its structured-output constraint (`cluster.structured`) and, for a chat, its
+tools (`chat_tools`, `cluster.tools`). The rest builds response objects from
+`GenerateDelta`s; `cluster.http_frontend` serves them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -24,14 +28,18 @@ from cluster.serving import encode_chat, encode_text
 from cluster.structured import guided_spec
 from cluster.types import FinishReason, GenerateRequest, InvalidRequestError, TokenLogprob
 from cluster.validation import check_model, validate_request
+from engine.sampling import MAX_CHOICES, choice_seed
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels; kvrelay sends none
+
+# MAX_CHOICES (engine.sampling) bounds n, and prompts times n
 
 
 class _GenerateBody(_Body):
@@ -45,13 +53,15 @@ class _GenerateBody(_Body):
     stop: Any = None  # a string or a list of strings, checked by `_stop_strings`
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    n: int | None = None
+    n: int | None = None  # choices per prompt
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     kvrelay_timeline: bool | None = None  # an extension: the request's timeline in the response
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: Any = None  # ignored
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    user: str | None = None  # the end user's id, for the operator's logs: no effect on the output
     # structured output (cluster.structured): OpenAI's, and vLLM's extras
     response_format: Any = None
     guided_json: Any = None
@@ -66,9 +76,9 @@ class _GenerateBody(_Body):
 
 
 class CompletionBody(_GenerateBody):
-    prompt: Any  # a string, a list of one string, or a list of token ids
+    prompt: Any  # a string, a list of token ids, or a list of either (one choice each, times n)
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt's text before each choice's completion
     best_of: int | None = None
     suffix: str | None = None
 
@@ -86,6 +96,8 @@ class ChatBody(_GenerateBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    safety_identifier: str | None = None  # like user: for the operator, no effect on the output
+    modalities: list[str] | None = None  # only ["text"]
     tools: Any = None  # cluster.tools
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -114,26 +126,95 @@ def parse_body(body_type: type[_Body], raw: bytes) -> Any:
         if not loc:
             raise InvalidRequestError("body", "must be a JSON object") from None
         field = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+        if e["type"] == "extra_forbidden":
+            raise InvalidRequestError(field, "not supported by this server") from None
         msg = e["msg"]
         raise InvalidRequestError(field, msg[:1].lower() + msg[1:]) from None
 
 
 # ---- body → GenerateRequest -------------------------------------------------------
-_UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("echo", False), ("best_of", 1),
-                ("suffix", ""))
+_UNSUPPORTED = (("best_of", 1), ("suffix", ""))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One answer of a response: its index, its request, and (echo) the prompt text before its completion."""
+
+    index: int
+    request: GenerateRequest
+    prompt_index: int = 0  # the choices of one prompt share it (usage counts each prompt once)
+    echo_text: str = ""
+
+
+def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: str,
+               tools: tool_calls.ToolRequest | None = None) -> list[Choice]:
+    """The body's choices, each prompt's ``n`` in a row (index = prompt index * n + j). Choice j > 0 of a
+    seeded request draws from its own stream (`choice_seed`), so choice 0 is what n=1 would give."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_CHOICES}], got {quote(n)}")
+    prompts = [None] if isinstance(body, ChatBody) else _prompt_list(body.prompt)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidRequestError("n" if n > 1 else "prompt", f"{len(prompts)} prompts times n={n} is more than "
+                                                              f"{MAX_CHOICES} choices")
+    if len(prompts) * n > 1 and body.kvrelay_timeline:
+        raise InvalidRequestError("kvrelay_timeline", "is given for one choice only (n=1, one prompt)")
+    echo = isinstance(body, CompletionBody) and bool(body.echo)
+    if echo and body.logprobs is not None:
+        raise InvalidRequestError("echo", "with logprobs would need the prompt's logprobs, which kvrelay does "
+                                          "not compute")
+    choices = []
+    for i, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) * n == 1 else f"{request_id}-{i}"
+        req = to_generate_request(body, backend, rid, prompt, tools)
+        echo_text = _echo_text(backend.tokenizer, prompt, req.prompt_token_ids) if echo else ""
+        for j in range(n):
+            sampling = req.sampling
+            if j and sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, j))
+            if n > 1:  # choice j > 0 runs beside choice 0 and shares its prompt's blocks there
+                req_j = dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling,
+                                            fork_of=f"{rid}-0" if j else None)
+            choices.append(Choice(i * n + j, req_j if n > 1 else req, i, echo_text))
+    return choices
+
+
+def _echo_text(tokenizer: Tokenizer, prompt: Any, token_ids: list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        raise InvalidRequestError("echo", "of a token-id prompt needs a tokenizer that decodes")
+    return decode(token_ids)
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """``prompt`` as a list of prompts, each a string or a list of token ids."""
+    def is_ids(p) -> bool:
+        return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    if isinstance(prompt, str) or is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        bad = next(i for i, p in enumerate(prompt) if not (isinstance(p, str) or (is_ids(p) and p)))
+        raise InvalidRequestError(f"prompt[{bad}]", "must be a string or a non-empty list of token ids")
+    raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
 
 
 def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, request_id: str,
-                        tools: tool_calls.ToolRequest | None = None) -> GenerateRequest:
-    """Check, tokenize and validate a body (a chat's ``tools`` from `chat_tools`); raises
+                        prompt: Any = None, tools: tool_calls.ToolRequest | None = None) -> GenerateRequest:
+    """Check, tokenize and validate a body (a completion's ``prompt``: one of its list; a chat's
+    ``tools`` from `chat_tools`); raises
     `InvalidRequestError` (field ``model``: unknown model)."""
     check_model(body.model or "", backend.model_name)
-    if body.n not in (None, 1):
-        raise InvalidRequestError("n", f"only 1 choice per request is supported, got {body.n}")
     for name, default in _UNSUPPORTED:
         value = getattr(body, name, None)
         if value is not None and value != default:
             raise InvalidRequestError(name, f"not supported, got {quote(value)}")
+    if isinstance(body, ChatBody) and body.modalities not in (None, ["text"]):
+        raise InvalidRequestError("modalities", f"only [\"text\"] is supported, got {quote(body.modalities)}")
     guided, guided_field = guided_spec(body)
     if tools is not None and tools.is_forced:
         if guided is not None:
@@ -151,7 +232,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         logprobs_field = "top_logprobs"
     else:
-        token_ids = _prompt_token_ids(backend.tokenizer, body.prompt)
+        token_ids = _prompt_token_ids(backend.tokenizer, body.prompt if prompt is None else prompt)
         max_tokens_field, max_tokens = "max_tokens", body.max_tokens
         logprobs, logprobs_field = body.logprobs, "logprobs"
     try:
@@ -159,7 +240,9 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
             token_ids, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=body.seed, stop=_stop_strings(body.stop), stop_token_ids=body.stop_token_ids or (),
-            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, guided=guided, guided_field=guided_field,
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias), guided=guided, guided_field=guided_field,
         )
     except InvalidRequestError as e:  # name the field as this body spells it
         renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(e.field)
@@ -170,17 +253,21 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
 
 
 def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:
+    """One prompt of `_prompt_list`."""
     if isinstance(prompt, str):
         return encode_text(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise InvalidRequestError("prompt", f"only one prompt per request is supported, got {len(prompt)}")
-        return encode_text(tokenizer, prompt[0])
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)  # empty and out-of-vocabulary ids are refused by validate_request
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        raise InvalidRequestError("prompt", "only one prompt per request is supported")
-    raise InvalidRequestError("prompt", "must be a string, a list of one string, or a list of token ids")
+    return list(prompt)  # empty and out-of-vocabulary ids are refused by validate_request
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {quote(key)}") from None
+        out[token_id] = value
+    return out
 
 
 def _stop_strings(stop: Any) -> list[str]:
@@ -251,8 +338,9 @@ class _Responses:
     chunk_object_name: str
 
     def __init__(self, request_id: str, model: str, text_of: Callable[[int], str], with_logprobs: bool,
-                 include_usage: bool = False):
+                 include_usage: bool = False, index: int = 0):
         self.request_id, self.model = request_id, model
+        self.index = index  # of the choice these objects carry
         self.created = int(time.time())
         self._text_of = text_of
         self._with_logprobs = with_logprobs
@@ -294,7 +382,7 @@ class CompletionResponses(_Responses):
     object_name = chunk_object_name = "text_completion"
 
     def _choice(self, text, reason, logprobs):
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk_choice(self, text, reason, logprobs, is_first):
         return self._choice(text, reason, logprobs)
@@ -332,7 +420,7 @@ class ChatResponses(_Responses):
             if self._parser.made_calls:
                 message["tool_calls"] = self._parser.calls
                 reason = "tool_calls" if reason == "stop" else reason
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk_choice(self, text, reason, logprobs, is_first):
         delta = {"role": "assistant", "content": text} if is_first else {"content": text}
@@ -346,7 +434,7 @@ class ChatResponses(_Responses):
                 delta["tool_calls"] = calls
             if reason == "stop" and self._parser.made_calls:
                 reason = "tool_calls"
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, lps, text_offset):
         def entry(token_id: int, logprob: float) -> dict:

@@ -46,7 +46,9 @@ def engine_params(req: GenerateRequest) -> EngineSamplingParams:
     return EngineSamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs, guided=s.guided)
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias), guided=s.guided)
 
 
 class _ReplicaFailure(Exception):
@@ -114,8 +116,11 @@ class RayBackend:
         causes: list[str] = []  # why each migration happened
         num_unreachable = 0
         while True:
+            sibling = self._attempts.get(request.fork_of) if request.fork_of and not causes else None
+            placement = self.router.place_beside(request, sibling[1]) if sibling else None
+            fork_of = sibling[0] if placement is not None else None
             try:
-                placement = await self.router.acquire(request)
+                placement = placement or await self.router.acquire(request)
             except (NoReplicaError, OverloadedError) as e:
                 if not causes:
                     raise
@@ -125,7 +130,7 @@ class RayBackend:
             self._attempts[rid] = (attempt, placement)
             finished = False
             try:
-                inbox = self._start_attempt(attempt, placement, request.prompt_token_ids, params, emitted)
+                inbox = self._start_attempt(attempt, placement, request.prompt_token_ids, params, emitted, fork_of)
                 async for delta in self._deltas(request, attempt, inbox, placement, routed_at):
                     if attempt != rid:
                         delta.request_id = rid
@@ -161,15 +166,16 @@ class RayBackend:
                     del self._attempts[rid]
 
     def _start_attempt(self, attempt: str, placement: Placement, prompt: list[int], params,
-                       emitted: list[int]) -> asyncio.Queue:
-        """Open the attempt's inbox and send its first commands (raises ChannelError)."""
+                       emitted: list[int], fork_of: str | None = None) -> asyncio.Queue:
+        """Open the attempt's inbox and send its first commands (raises ChannelError). ``fork_of``: a sibling
+        choice's attempt on the same replicas, whose prompt blocks the colocated or prefill replica shares."""
         decode, prefill = placement.decode_replica, placement.prefill_replica
         inbox = self.channels.open(attempt, [decode] + ([prefill] if prefill else []))
         try:
             if prefill is None:
-                self.channels.send(decode, Submit(attempt, prompt, params, list(emitted)))
+                self.channels.send(decode, Submit(attempt, prompt, params, list(emitted), fork_of))
             else:  # the prompt starts computing while the decode replica reserves its blocks
-                self.channels.send(prefill, Prefill(attempt, prompt, params, list(emitted)))
+                self.channels.send(prefill, Prefill(attempt, prompt, params, list(emitted), fork_of))
                 self.channels.send(decode, Reserve(attempt, prompt, params, list(emitted)))
         except ChannelError:
             self.channels.close(attempt)

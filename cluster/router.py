@@ -328,6 +328,17 @@ class Router:
         finally:
             timer.cancel()
 
+    def place_beside(self, request: GenerateRequest, other: Placement) -> Placement | None:
+        """Place ``request`` on the replicas of ``other`` (a sibling choice of one request, which shares its
+        prompt there), past their capacity; None if one of them is no longer alive."""
+        chosen = {}
+        for rid in other.replica_ids:
+            r = self._replicas.get(rid)
+            if r is None or not r.is_alive:
+                return None
+            chosen[r.stage] = r
+        return self._take(_Routed(request), chosen)
+
     def release(self, placement: Placement) -> None:
         """Give back a placement's capacity. Releasing twice is an error."""
         if self._active.pop(placement.seq, None) is None:
@@ -351,6 +362,9 @@ class Router:
             if not candidates:
                 return None
             chosen[stage] = self.policy.choose(candidates, routed)
+        return self._take(routed, chosen)
+
+    def _take(self, routed: _Routed, chosen: dict[Stage, Replica]) -> Placement:
         n = routed.num_tokens
         hashes = routed.block_hashes(self.config.block_size) if self.config.policy == "prefix_aware" else ()
         for stage, r in chosen.items():

@@ -35,7 +35,9 @@ class SamplingParams:
     convention; the frontends read a client's top_k of 0 as -1); a
     ``temperature`` of 0 means greedy. ``logprobs`` is the number of top
     alternatives to return per generated token (None: no logprobs at all;
-    0: only the sampled token's logprob).
+    0: only the sampled token's logprob). The penalties and ``logit_bias``
+    are `engine.sampling.SamplingParams`' (0, 0, 1 and none: off);
+    ``logit_bias`` is (token id, bias) pairs.
     """
 
     max_tokens: int = 16
@@ -49,6 +51,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     guided: GuidedSpec | None = None  # the output must match it (engine.guided); checked by the frontend
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -61,6 +67,8 @@ class GenerateRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     timeline: bool = False  # return a RequestTimeline on the last delta
     arrival_wall_time: float = field(default_factory=time.time)  # the timeline's zero
+    # a sibling choice (n > 1) with the same prompt: placed beside it, this request shares its prompt's blocks
+    fork_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from engine.guided import GuidedError, GuidedSpec, check_spec
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_LEN = 128
+MAX_LOGIT_BIAS = 300  # tokens, as OpenAI allows
 
 
 def check_model(requested: str, served: str) -> None:
@@ -49,6 +50,10 @@ def validate_request(
     logprobs: int | None = None,
     guided: GuidedSpec | None = None,
     guided_field: str = "guided",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
     """Check a tokenized prompt and its sampling parameters; return the params to run with."""
     n = len(prompt_token_ids)
@@ -96,8 +101,26 @@ def validate_request(
             check_spec(guided)  # the grammar engine parses it; the replicas compile it against the vocabulary
         except GuidedError as e:
             raise InvalidRequestError(guided_field, str(e)) from None
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
+            raise InvalidRequestError(name, f"must be in [-2, 2], got {quote(value)}")
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise InvalidRequestError("repetition_penalty", f"must be > 0, got {quote(repetition_penalty)}")
+    logit_bias = logit_bias or {}
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}")
+    for token_id, bias in logit_bias.items():
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError("logit_bias", f"token id {quote(token_id)} is outside the vocabulary "
+                                                    f"[0, {vocab_size})")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise InvalidRequestError("logit_bias", f"bias of token {token_id} must be in [-100, 100], "
+                                                    f"got {quote(bias)}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k,
         min_p=min_p, seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
         ignore_eos=ignore_eos, logprobs=logprobs, guided=guided,
+        presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in logit_bias.items())),
     )

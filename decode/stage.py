@@ -76,7 +76,8 @@ class DecodeStage(StageLoop):
             return
         try:
             seq = Sequence(frame.request_id, list(frame.prompt_token_ids), frame.params,
-                           output_token_ids=list(frame.output_token_ids))
+                           output_token_ids=list(frame.output_token_ids),
+                           fork_of=self.core.get(frame.fork_of) if frame.fork_of else None)
             self.core.add(seq)
         except Exception as e:
             self._refuse(ch, frame.request_id, e)

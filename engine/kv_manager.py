@@ -1,6 +1,6 @@
-"""Per-sequence block bookkeeping on top of the BlockPool: prefix-cache
-matching at admission, growth as tokens are scheduled, caching of blocks as
-they fill, and release."""
+"""Per-sequence block bookkeeping on top of the BlockPool: at admission a
+fork of a sibling's prompt blocks or a prefix-cache match, growth as tokens
+are scheduled, caching of blocks as they fill, and release."""
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, hash_block
@@ -23,6 +23,31 @@ class KVCacheManager:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, seq.tokens_slice(j * bs, (j + 1) * bs)))
+
+    def admit(self, seq: Sequence) -> bool:
+        """For a sequence holding no blocks: the blocks it can reuse. A fork
+        (``seq.fork_of``, choice j > 0 of a request with n > 1) shares its
+        sibling's full prompt blocks, reference-counted, once the sibling has
+        computed them: the sequence then computes only the prompt's last
+        partial block (at least its last token, to sample from), into blocks of
+        its own, and never writes into a shared one. Returns False while the
+        sibling is still computing them (try again next step)."""
+        parent = seq.fork_of
+        num_shared = (seq.num_tokens - 1) // self.block_size
+        if parent is None or num_shared == 0 or not parent.block_ids:
+            self.match_prefix(seq)  # a sibling gone or preempted: the prefix cache may still hold its blocks
+            return True
+        if parent.num_computed_tokens < num_shared * self.block_size:
+            if parent.is_finished:  # it will compute no more
+                self.match_prefix(seq)
+                return True
+            return False
+        # a sibling still holding its blocks, finished or not (a prefill-only one keeps them while they are sent)
+        shared = parent.block_ids[:num_shared]
+        self.pool.fork(shared)
+        seq.block_ids = list(shared)
+        seq.num_computed_tokens = seq.num_prefix_hit_tokens = num_shared * self.block_size
+        return True
 
     def match_prefix(self, seq: Sequence) -> int:
         """For a sequence holding no blocks: take the longest cached prefix.

@@ -110,14 +110,25 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """With ``params.n`` > 1, the choices run as ``request_id``, ``request_id#1``, ... (`choice_ids`): one
+        prompt, computed once, its full blocks shared by the n sequences."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
-        seq = Sequence(request_id, self.encode(prompt), params)
-        self.core.add(seq)
-        self.outputs.add(seq)
-        self._texts[request_id] = ""
+        token_ids = self.encode(prompt)
+        first = None
+        for j, rid in enumerate(self.choice_ids(request_id, params.n)):
+            seq = Sequence(rid, list(token_ids), params if params.n == 1 else params.for_choice(j), fork_of=first)
+            self.core.add(seq)
+            self.outputs.add(seq)
+            self._texts[rid] = ""
+            first = first or seq
         return request_id
+
+    @staticmethod
+    def choice_ids(request_id: str, n: int) -> list[str]:
+        """The request ids of a request's n choices, in choice order."""
+        return [request_id] + [f"{request_id}#{j}" for j in range(1, n)]
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -153,7 +164,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order (a prompt's n choices in a row)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -163,7 +174,7 @@ class LLM:
         ids = []
         try:
             for p, sp in zip(prompts, plist):
-                ids.append(self.add_request(p, sp))
+                ids.extend(self.choice_ids(self.add_request(p, sp), (sp or SamplingParams()).n))
             final: dict[str, RequestOutput] = {}
             while len(final) < len(ids):
                 for ro in self.step():
@@ -188,6 +199,8 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one output per new token for a single request (alongside any
         other requests already in the engine)."""
+        if params is not None and params.n > 1:
+            raise ValueError("n: stream follows one choice; use generate for n > 1")
         rid = self.add_request(prompt, params)
         try:
             while True:

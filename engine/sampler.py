@@ -1,4 +1,5 @@
-"""The batched sampler: greedy, temperature, top-k/top-p/min-p, logprobs.
+"""The batched sampler: logit_bias and penalties (`engine.penalties`),
+greedy, temperature, top-k/top-p/min-p, logprobs.
 
 A seeded request's random stream is a function of (seed, position): the
 draw for output token i comes from a generator seeded by ``(seed, i)``, not
@@ -8,22 +9,12 @@ token is sampled on a prefill replica and the rest on a decode replica.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from engine.sampling import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def stream_seed(seed: int, position: int) -> int:
-    """The generator seed for the draw at output position ``position`` of a
-    request seeded with ``seed`` (splitmix64 of the pair, so nearby seeds and
-    positions give unrelated streams)."""
-    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
+from engine.penalties import adjust_logits
+from engine.sampling import SamplingParams, stream_seed  # noqa: F401  (stream_seed: its home was here)
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     # logits: [V] float32 (already temperature-scaled); excluded entries set to -inf
@@ -59,12 +50,18 @@ class Sampler:
         logits: torch.Tensor,  # [N, V] float32
         params: list[SamplingParams],
         positions: list[int],  # each row's output position (tokens the request has produced so far)
+        histories: list[tuple[Sequence[int], Sequence[int]]] | None = None,  # each row's (prompt, output) ids
     ) -> tuple[list[int], list[dict | None]]:
-        tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
+        """Logprobs are those of the model's logits, before bias, penalties and temperature."""
         want_logprobs = any(p.logprobs is not None for p in params)
-        if want_logprobs or not all(p.is_greedy for p in params):
+        if want_logprobs or not all(p.is_greedy and not p.adjusts_logits for p in params):
             logits = logits.cpu()
         logprobs_all = logits.log_softmax(-1) if want_logprobs else None
+        if any(p.adjusts_logits for p in params):
+            if histories is None:
+                raise ValueError("histories: needed for rows with penalties or logit_bias")
+            logits = adjust_logits(logits, params, histories)
+        tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
         for i, p in enumerate(params):
             if p.is_greedy:
                 continue

@@ -1,6 +1,7 @@
 """Sampling parameters, validated. Plain Python (the sampler is `engine.sampler`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import math
@@ -12,6 +13,30 @@ from engine.guided import GuidedSpec
 # overflows float32 (inf - inf = nan in the softmax), and the distribution is
 # an argmax to float precision long before that.
 GREEDY_TEMPERATURE = 1e-5
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """The generator seed for the draw at output position ``position`` of a
+    request seeded with ``seed`` (splitmix64 of the pair, so nearby seeds and
+    positions give unrelated streams). Plain integers, so the frontends derive
+    per-choice seeds with it too (`cluster.openai_protocol.choice_seed`)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed`` and n > 1
+    (choice 0 keeps the seed, so it is what n=1 gives): with `stream_seed`, a
+    draw is a function of (seed, choice index, position)."""
+    return seed if index == 0 else stream_seed(seed ^ 0x5EEDC401CE, index)
+
+
+MAX_CHOICES = 16  # n
 
 
 class SamplingError(ValueError):
@@ -32,6 +57,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None  # the output must match this (engine.guided)
+    # OpenAI's penalties, in [-2, 2], on the output so far: each logit minus
+    # presence_penalty if the token occurs in it, minus frequency_penalty times its count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's, > 0, on the prompt and the output so far: a positive logit divided by it, a negative one multiplied
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    # choices: the prompt is computed once and its full blocks shared by the n sequences (`Sequence.fork_of`)
+    n: int = 1
 
     def __post_init__(self):
         if self.top_k == 0 and not isinstance(self.top_k, bool):
@@ -46,6 +80,21 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of one of the n choices: n=1, and its own seed (`choice_seed`)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else choice_seed(self.seed, index),
+                                   stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                   logit_bias=dict(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling (penalties, logit_bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     def validate(self) -> None:
         def bad(name: str, msg: str):
@@ -77,3 +126,14 @@ class SamplingParams:
             bad("seed", "must be an integer")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             bad("guided", "must be an engine.guided.GuidedSpec")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            bad("n", f"must be an integer in [1, {MAX_CHOICES}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", "must be a finite number > 0")
+        if not isinstance(self.logit_bias, dict) or any(
+                not is_int(t) or t < 0 or not is_real(b) or not -100.0 <= b <= 100.0
+                for t, b in self.logit_bias.items()):
+            bad("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")

@@ -1,11 +1,14 @@
-"""Continuous batching with chunked prefill, prefix caching and preemption.
+"""Continuous batching with chunked prefill, prefix caching, forks and preemption.
 
 Each step spends a token budget: running sequences first (one token each when
 decoding, the next chunk when a long prompt is still being prefilled), then
 waiting sequences in arrival order. When the pool cannot hold a running
 sequence's next token, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed later from its tokens (the prefix cache
-usually makes that cheap). Nothing is dropped.
+usually makes that cheap). Nothing is dropped. The choices of a request
+with n > 1 are sequences of one prompt: each after the first waits (others
+may pass it) until the first has computed the prompt, then forks its full
+blocks (`KVCacheManager.admit`).
 """
 from __future__ import annotations
 
@@ -97,11 +100,13 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: nothing after it remains in running
         if not out.preempted:
+            forks: list[Sequence] = []  # waiting for a sibling to compute the prompt they share
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 fresh = not seq.block_ids
-                if fresh:
-                    self.kv.match_prefix(seq)
+                if fresh and not self.kv.admit(seq):
+                    forks.append(self.waiting.popleft())
+                    continue
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.kv.grow(seq, seq.num_computed_tokens + n):
                     if fresh:
@@ -115,6 +120,7 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
                 budget -= n
+            self.waiting.extendleft(reversed(forks))
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -93,6 +93,9 @@ class Sequence:
     # (the prefill stage frees them once the KV transfer has finished)
     prefill_only: bool = False
     grammar: object | None = None  # engine.guided.GrammarState of a guided sequence, once its grammar compiled
+    # choice j > 0 of a request with n > 1: shares the full blocks of this sequence's prompt (the same
+    # prompt) once it has computed them, instead of computing them again (`KVCacheManager.admit`)
+    fork_of: Sequence | None = field(default=None, repr=False, compare=False)
 
     @property
     def token_ids(self) -> list[int]:

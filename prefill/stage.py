@@ -111,7 +111,8 @@ class PrefillStage(StageLoop):
             if rid in self._jobs:
                 raise ValueError(f"request_id: {rid!r} is already running on {self.replica_id}")
             seq = Sequence(rid, list(frame.prompt_token_ids), frame.params, prefill_only=True,
-                           output_token_ids=list(frame.output_token_ids))
+                           output_token_ids=list(frame.output_token_ids),
+                           fork_of=self._jobs[frame.fork_of].seq if frame.fork_of in self._jobs else None)
             self.core.add(seq)
         except Exception as e:
             self._refuse(ch, rid, e)

@@ -2,7 +2,7 @@
 
 Frontend -> replica (commands), each for one request:
 
-    Submit(rid, prompt, params)    colocated replica: the whole request
+    Submit(rid, prompt, params)    colocated replica: the whole request (fork_of: a sibling choice's rid)
     Prefill(rid, prompt, params)   prefill replica: compute the prompt
     Reserve(rid, prompt, params)   decode replica: blocks for its KV, answered by a TicketReady
     Attach(rid, ticket)            prefill replica: where to push the prompt's KV
@@ -47,6 +47,8 @@ class _Start:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # a resumed request's tokens so far
+    # a sibling choice's request id on this replica: share its prompt's full blocks (n > 1, `Sequence.fork_of`)
+    fork_of: str | None = None
 
 
 class Submit(_Start):

@@ -70,7 +70,17 @@ def test_sampling_params_reach_the_backend(served):
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
     d = default.sampling
     assert (d.temperature, d.top_p, d.top_k, d.min_p, d.seed, d.logprobs) == (1.0, 1.0, -1, 0.0, None, None)
+    assert (d.presence_penalty, d.frequency_penalty, d.repetition_penalty, d.logit_bias) == (0.0, 0.0, 1.0, ())
     assert d.max_tokens == EchoBackend.max_model_len - 2  # the rest of the context
+
+
+def test_penalties_and_logit_bias_reach_the_backend(served):
+    with KVRelayClient(served.target) as client:
+        client.generate("hello", presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+                        logit_bias={7: -100.0, 6: 2.5})
+    s = served.backend.requests[0].sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+    assert s.logit_bias == ((6, 2.5), (7, -100.0))
 
 
 def test_chat_uses_the_template(served):
@@ -107,6 +117,11 @@ def test_logprobs(served):
     (dict(token_ids=[6] * 64), "prompt: 64 tokens leave no room"),
     (dict(token_ids=[6, 14]), "prompt: token id 14 is outside the vocabulary"),
     (dict(messages=[]), "chat: must hold at least one message"),
+    (dict(prompt="hello", presence_penalty=2.5), "presence_penalty: must be in [-2, 2]"),
+    (dict(prompt="hello", frequency_penalty=-3.0), "frequency_penalty: must be in [-2, 2]"),
+    (dict(prompt="hello", repetition_penalty=0.0), "repetition_penalty: must be > 0"),
+    (dict(prompt="hello", logit_bias={99: 1.0}), "logit_bias: token id 99 is outside the vocabulary"),
+    (dict(prompt="hello", logit_bias={6: 101.0}), "logit_bias: bias of token 6 must be in [-100, 100]"),
 ])
 def test_invalid_requests_name_the_field(served, kwargs, message):
     with KVRelayClient(served.target) as client:

@@ -20,7 +20,7 @@ EXAMPLES = 600  # per body test (a third of it for paths)
 SAMPLING_FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "kvrelay_timeline",
                    "presence_penalty", "frequency_penalty", "user", "logprobs", "top_logprobs", "echo", "best_of",
-                   "suffix"]
+                   "suffix", "repetition_penalty", "logit_bias"]
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "a", "mat", "<s>", "</s>", "zebra", ""]
 
 scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.integers(-3, 70)
@@ -100,14 +100,20 @@ def check_answer(status: int, headers: dict[str, str], raw: bytes, chat: bool) -
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert all("error" not in c for c in chunks)
-        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
-        assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+        finishes: dict[int, list] = {}  # per choice index
+        for c in chunks:
+            for choice in c.get("choices") or ():
+                finishes.setdefault(choice["index"], []).append(choice["finish_reason"])
+        assert finishes and sorted(finishes) == list(range(len(finishes)))
+        for f in finishes.values():
+            assert f[-1] in ("stop", "length") and all(x is None for x in f[:-1])
         return
     body = json.loads(raw)
-    (choice,) = body["choices"]
-    assert choice["finish_reason"] in ("stop", "length")
-    assert isinstance(choice["message"]["content"] if chat else choice["text"], str)
-    assert body["usage"]["completion_tokens"] >= 1
+    assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
+    for choice in body["choices"]:
+        assert choice["finish_reason"] in ("stop", "length")
+        assert isinstance(choice["message"]["content"] if chat else choice["text"], str)
+    assert body["usage"]["completion_tokens"] >= len(body["choices"])
 
 
 def after(server) -> None:

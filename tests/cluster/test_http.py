@@ -70,11 +70,15 @@ class ServedFrontends:
             return e.code, json.loads(e.read())
 
     def scrape(self) -> dict:
-        """{(sample name, ((label, value), ...)): value} from /metrics."""
+        """{(sample name, ((label, value), ...)): value} from /metrics; every sample's model_name label is the
+        served model's (checked here, then left out of the key)."""
         status, text = self.get("/metrics")
         assert status == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+        samples = [s for family in text_string_to_metric_families(text.decode()) for s in family.samples]
+        assert all(s.labels.get("model_name") == self.backend.model_name for s in samples), \
+            [s.name for s in samples if s.labels.get("model_name") != self.backend.model_name]
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for s in samples}
 
     def close(self):
         self.call(self.frontends.stop(0), timeout=30)  # a loaded machine (CI) can take a while
@@ -154,8 +158,7 @@ def test_sampling_params_reach_the_backend(served):
     client = served.client()
     client.completions.create(model="echo", prompt=[6, 7], max_tokens=2, temperature=0.5, top_p=0.9, seed=7,
                               stop="cat", user="someone",
-                              extra_body={"top_k": 0, "min_p": 0.1, "stop_token_ids": [2], "ignore_eos": True,
-                                          "some_future_field": {"x": 1}})
+                              extra_body={"top_k": 0, "min_p": 0.1, "stop_token_ids": [2], "ignore_eos": True})
     client.completions.create(model="echo", prompt="hello", stop=["cat", "mat"])
     client.chat.completions.create(model="echo", messages=CHAT, max_completion_tokens=3)
     first, second, chat = served.backend.requests
@@ -225,17 +228,23 @@ def test_chat_logprobs(served):
     (dict(prompt="hello", max_tokens=0), "max_tokens", "max_tokens: must be >= 1, got 0"),
     (dict(prompt="hello", max_tokens=100), "max_tokens", "max_tokens: 100 plus the prompt's 2 tokens exceed"),
     (dict(prompt="hello", temperature=-1), "temperature", "temperature: must be >= 0"),
-    (dict(prompt="hello", n=2), "n", "n: only 1 choice per request is supported, got 2"),
+    (dict(prompt="hello", n=17), "n", "n: must be in [1, 16], got 17"),
+    (dict(prompt=["hello"] * 9, n=2), "n", "n: 9 prompts times n=2 is more than 16 choices"),
     (dict(prompt="hello", top_p=1.5), "top_p", "top_p: must be in (0, 1]"),
     (dict(prompt="hello", logprobs=21), "logprobs", "logprobs: must be in [0, 20]"),
     (dict(prompt="hello", stop=[""]), "stop", "stop: strings must not be empty"),
     (dict(prompt="hello", stop=[1]), "stop", "stop: must be a string or a list of strings"),
-    (dict(prompt="hello", presence_penalty=0.5), "presence_penalty", "presence_penalty: not supported"),
+    (dict(prompt="hello", presence_penalty=2.5), "presence_penalty", "presence_penalty: must be in [-2, 2]"),
+    (dict(prompt="hello", extra_body={"some_future_field": {"x": 1}}), "some_future_field",
+     "some_future_field: not supported by this server"),
+    (dict(prompt="hello", logit_bias={"cat": 5}), "logit_bias", "logit_bias: keys must be token ids, got 'cat'"),
+    (dict(prompt="hello", logit_bias={"99": 5}), "logit_bias", "logit_bias: token id 99 is outside the vocabulary"),
+    (dict(prompt="hello", echo=True, logprobs=1), "echo", "echo: with logprobs would need the prompt's logprobs"),
     (dict(prompt=""), "prompt", "prompt: must not be empty"),
     (dict(prompt=[]), "prompt", "prompt: must not be empty"),
-    (dict(prompt=["hello", "cat"]), "prompt", "prompt: only one prompt per request is supported, got 2"),
+    (dict(prompt=["hello", []]), "prompt[1]", "prompt[1]: must be a string or a non-empty list of token ids"),
     (dict(prompt=[6, 14]), "prompt", "prompt: token id 14 is outside the vocabulary"),
-    (dict(prompt={"text": "hello"}), "prompt", "prompt: must be a string, a list of one string"),
+    (dict(prompt={"text": "hello"}), "prompt", "prompt: must be a string, a list of token ids, or a list of either"),
     (dict(prompt="hello", temperature="hot"), "temperature", "temperature: input should be a valid number"),
     (dict(prompt="hello", max_tokens=True), "max_tokens", "max_tokens: input should be a valid integer"),
     (dict(prompt="hello", extra_body={"stop_token_ids": [2, "x"]}), "stop_token_ids[1]", "stop_token_ids[1]: "),
@@ -259,7 +268,9 @@ def test_invalid_completions_name_the_field(served, kwargs, param, message):
      "messages[0].content: only text parts are supported"),
     (dict(messages=CHAT, logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs: must be in [0, 20]"),
     (dict(messages=CHAT, top_logprobs=2), "top_logprobs", "top_logprobs: needs logprobs set to true"),
-    (dict(messages=CHAT, n=3), "n", "n: only 1 choice"),
+    (dict(messages=CHAT, n=0), "n", "n: must be in [1, 16], got 0"),
+    (dict(messages=CHAT, store=True), "store", "store: not supported by this server"),
+    (dict(messages=CHAT, modalities=["text", "audio"]), "modalities", "modalities: only [\"text\"] is supported"),
 ])
 def test_invalid_chats_name_the_field(served, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:
@@ -399,6 +410,12 @@ def test_metrics_after_requests(served):
     assert [name for name, labels in after if labels == dead] == ["kvrelay_replica_up"]
     assert _count(after, "kvrelay_requests_in_flight", frontend="http") == 0
     assert ("kvrelay_router_waiting_requests", ()) in after
+    # per finished request (stop and length; not the refused ones): lengths, decode time and TPOT
+    assert grew("kvrelay_request_prompt_tokens_sum") == 4 + 7 and grew("kvrelay_request_prompt_tokens_count") == 2
+    assert grew("kvrelay_request_generation_tokens_sum") == 4 + 3
+    assert grew("kvrelay_request_decode_time_seconds_count") == 2
+    assert grew("kvrelay_request_time_per_output_token_seconds_count") == 2
+    assert _count(after, "kvrelay_replica_kv_blocks", stage="colocated", replica="c0") == 100
 
 
 def test_grpc_records_into_the_same_metrics(served):

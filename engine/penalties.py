@@ -1,0 +1,50 @@
+"""Logit adjustments before sampling: logit_bias and the three penalties.
+
+The state a penalty needs is the request's tokens so far, so it is rebuilt
+from them at every step (prompt + output, as the sequence holds them): a
+request scores the same whether its first token was sampled on a prefill
+replica and the rest on a decode replica, after a preemption, or after it
+migrated with the tokens its client already had. In order, per row:
+
+    logit_bias          logit[t] += bias[t]
+    repetition_penalty  for t in prompt + output: logit[t] / r if logit[t] > 0 else logit[t] * r
+    frequency_penalty   logit[t] -= f * count of t in the output
+    presence_penalty    logit[t] -= p * (t occurs in the output)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+def adjust_logits(
+    logits: torch.Tensor,  # [N, V] float32
+    params: list[SamplingParams],
+    histories: list[tuple[Sequence[int], Sequence[int]]],  # each row's (prompt ids, output ids so far)
+) -> torch.Tensor:
+    """``logits`` with each row's adjustments applied (a new tensor when any row has one; else ``logits``)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    dev = logits.device
+    for i in rows:
+        p, (prompt, output) = params[i], histories[i]
+        row = out[i]  # [V], a view
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            row[torch.tensor(ids, dtype=torch.long, device=dev)] += torch.tensor(
+                [float(p.logit_bias[t]) for t in ids], dtype=row.dtype, device=dev)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(list(prompt) + list(output), dtype=torch.long, device=dev).unique()
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(output):
+            counts = torch.bincount(torch.tensor(list(output), dtype=torch.long, device=dev), minlength=vocab)
+            counts = counts[:vocab].to(row.dtype)  # [V]
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return out
