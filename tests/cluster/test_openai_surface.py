@@ -14,7 +14,7 @@ from tests.cluster.conftest import EchoBackend
 from tests.cluster.test_http import CHAT, ServedFrontends, wait_for
 
 HONOURED, REFUSED = "honoured", "refused"
-STRUCTURED = "refused (owned by structured output)"  # refused today; the structured-output work honours them
+GUIDED = lambda reqs: len(reqs) == 1 and reqs[0].sampling.guided is not None  # noqa: E731  (cluster.structured)
 
 # field -> (value to send, outcome, check of the backend's requests when honoured)
 COMMON = {
@@ -51,12 +51,14 @@ CHAT_FIELDS = dict(COMMON, **{
     "store": (True, REFUSED, None),
     "verbosity": ("low", REFUSED, None),
     "web_search_options": ({}, REFUSED, None),
-    "response_format": ({"type": "json_object"}, STRUCTURED, None),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], STRUCTURED, None),
-    "tool_choice": ("auto", STRUCTURED, None),
-    "parallel_tool_calls": (False, STRUCTURED, None),
-    "functions": ([{"name": "f", "parameters": {}}], STRUCTURED, None),
-    "function_call": ("auto", STRUCTURED, None),
+    "response_format": ({"type": "json_object"}, HONOURED, GUIDED),
+    # the tools reach the chat template (cluster.tools; what each tool_choice does: tests/e2e/test_structured.py)
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], HONOURED,
+              lambda reqs: len(reqs) == 1),
+    "tool_choice": ("none", HONOURED, lambda reqs: len(reqs) == 1),
+    "parallel_tool_calls": (False, HONOURED, lambda reqs: len(reqs) == 1),
+    "functions": ([{"name": "f", "parameters": {}}], REFUSED, None),  # deprecated by OpenAI for tools
+    "function_call": ("auto", REFUSED, None),
 })
 COMPLETION_FIELDS = dict(COMMON, **{
     "prompt": ("hello", HONOURED, lambda reqs: reqs[0].prompt_token_ids == [1, 6]),
@@ -65,7 +67,7 @@ COMPLETION_FIELDS = dict(COMMON, **{
     "best_of": (2, REFUSED, None),
     "suffix": ("the end", REFUSED, None),
 })
-# vLLM's extensions that kvrelay serves, and those it leaves to structured output
+# vLLM's extensions that kvrelay serves
 EXTENSIONS = {
     "top_k": (3, HONOURED, lambda reqs: reqs[0].sampling.top_k == 3),
     "min_p": (0.25, HONOURED, lambda reqs: reqs[0].sampling.min_p == 0.25),
@@ -73,11 +75,11 @@ EXTENSIONS = {
     "stop_token_ids": ([2], HONOURED, lambda reqs: reqs[0].sampling.stop_token_ids == (2,)),
     "ignore_eos": (True, HONOURED, lambda reqs: reqs[0].sampling.ignore_eos),
     "kvrelay_timeline": (True, HONOURED, lambda reqs: reqs[0].timeline),
-    "guided_json": ({"type": "object"}, STRUCTURED, None),
-    "guided_regex": ("a+", STRUCTURED, None),
-    "guided_choice": (["a", "b"], STRUCTURED, None),
-    "guided_grammar": ("root ::= 'a'", STRUCTURED, None),
-    "structured_outputs": ({"regex": "a+"}, STRUCTURED, None),
+    "guided_json": ({"type": "object"}, HONOURED, GUIDED),
+    "guided_regex": ("a+", HONOURED, GUIDED),
+    "guided_choice": (["a", "b"], HONOURED, GUIDED),
+    "guided_grammar": ("root ::= \"a\"", HONOURED, GUIDED),
+    "structured_outputs": ({"regex": "a+"}, HONOURED, GUIDED),
     "some_future_field": (1, REFUSED, None),
 }
 ENDPOINTS = {"chat": ("/v1/chat/completions", CHAT_FIELDS, {"messages": CHAT}),
