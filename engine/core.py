@@ -219,7 +219,7 @@ class EngineCore:
                           len(self.scheduler.running), len(self.scheduler.waiting) + len(self._compiling),
                           self.pool.num_free_blocks,
                           self.pool.num_blocks, num_sending, num_incoming,
-                          tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else ())
+                          expert_load=tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else ())
 
     def expert_load(self) -> torch.Tensor:
         """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
