@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.types import ClusterStatus, GenerateDelta, GenerateRequest, StageMetrics
 
@@ -114,6 +114,15 @@ class _StatusCollector:
                 for rank, pid in enumerate(r.rank_pids):
                     ranks.add_metric([self.model_name, r.stage.value, r.replica_id, str(rank)], float(pid))
         yield ranks
+        experts = CounterMetricFamily(
+            "kvrelay_replica_expert_tokens", "Tokens routed to each expert of a mixture of experts since the "
+            "replica started, summed over its sparse layers (a hot expert shows here)",
+            labels=["model_name", "stage", "replica", "expert"])
+        for r in status.replicas:
+            if r.is_alive:
+                for expert, n in enumerate(r.expert_load):
+                    experts.add_metric([self.model_name, r.stage.value, r.replica_id, str(expert)], float(n))
+        yield experts
         waiting = GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
                                     labels=["model_name"])
         waiting.add_metric([self.model_name], status.num_waiting)

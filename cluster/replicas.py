@@ -64,6 +64,7 @@ class _Health:
     last_error: str = ""
     silent_since: float | None = None  # monotonic time of the first unanswered poll
     rank_pids: tuple[int, ...] = ()  # the replica's ranks as of its last (re)connect, rank 0 first
+    expert_load: tuple[int, ...] = ()  # its last load report's tokens per expert (a mixture of experts)
 
 
 # respawn(replica_id, old_handle, restart_number) -> a new actor handle (the old one killed)
@@ -122,7 +123,8 @@ class Replicas:
         h = self._health[s.replica_id]
         ranks = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids)
         if h.state is ReplicaState.SERVING:
-            return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
+            return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, expert_load=h.expert_load,
+                           **ranks)
         return ReplicaStatus(s.replica_id, s.stage, False, num_in_flight=s.num_in_flight, state=h.state.value,
                              num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
 
@@ -161,6 +163,7 @@ class Replicas:
             self._replace(rid, f"{type(e).__name__}: {_first_line(e)}")
             return
         h.silent_since = None
+        h.expert_load = tuple(getattr(load, "expert_load", ()))
         if not load.is_alive:
             self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return

@@ -100,6 +100,7 @@ class ReplicaStatus:
     last_error: str = ""  # why it last left the router
     tensor_parallel_size: int = 1  # ranks of the replica (a tensor-parallel replica is one unit)
     rank_pids: tuple[int, ...] = ()  # each rank's process id on the replica's host, rank 0 first
+    expert_load: tuple[int, ...] = ()  # a mixture of experts: tokens routed to each expert since start
 
     @property
     def kv_usage(self) -> float:

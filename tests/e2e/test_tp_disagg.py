@@ -5,6 +5,8 @@ are token for token what engine.LLM at TP=1 gives, over both transports, and eve
 free afterwards; nothing (placement group, rank process, segment) is left when it stops."""
 from __future__ import annotations
 
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -97,3 +99,12 @@ def test_moe_prefill_with_expert_parallelism_hands_off_to_a_tp1_decode(ray_insta
                                                                   ignore_eos=True).token_ids), prompts[:8]))
         assert got == want
         assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}
+        # per-expert load reaches the metrics, for each replica (prefill routes the prompts, decode the rest)
+        time.sleep(0.5)  # a load poll after the last step
+        body = urllib.request.urlopen(f"http://127.0.0.1:{rc.http_port}/metrics", timeout=10).read().decode()
+        routed = {rid: sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                           if line.startswith("kvrelay_replica_expert_tokens_total{") and f'replica="{rid}"' in line)
+                  for rid in ("prefill-0", "decode-0")}
+        prompt_tokens = sum(len(p) for p in prompts[:8])
+        assert routed["prefill-0"] >= prompt_tokens * 2  # top-2 over every sparse layer: at least one layer's
+        assert routed["decode-0"] > 0, routed
