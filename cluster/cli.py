@@ -264,7 +264,8 @@ def _status(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     with _client(args) as client:
         for m in client.list_models():
-            print(f"{m.id}\tcontext {m.max_model_len}\tvocab {m.vocab_size}")
+            print(f"{m.id}\tcontext {m.max_model_len}\tvocab {m.vocab_size}"
+                  + (f"\ttokenizer {m.tokenizer_dir}" if m.tokenizer_dir else ""))
     return 0
 
 

@@ -77,6 +77,7 @@ class ModelInfo:
     id: str
     max_model_len: int
     vocab_size: int
+    tokenizer_dir: str = ""  # the served checkpoint's folder (tokenizer included) on the frontend's host
 
 
 def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
@@ -229,7 +230,7 @@ class KVRelayClient(_Base):
             resp = self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise KVRelayError.from_rpc_error(e) from None
-        return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
+        return [ModelInfo(m.id, m.max_model_len, m.vocab_size, m.tokenizer_dir) for m in resp.models]
 
     def status(self) -> ClusterStatus:
         try:
@@ -294,7 +295,7 @@ class AsyncKVRelayClient(_Base):
             resp = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise KVRelayError.from_rpc_error(e) from None
-        return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
+        return [ModelInfo(m.id, m.max_model_len, m.vocab_size, m.tokenizer_dir) for m in resp.models]
 
     async def status(self) -> ClusterStatus:
         try:

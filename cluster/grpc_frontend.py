@@ -98,7 +98,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         await self._authenticate(context)
         b = self.backend
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=b.model_name, max_model_len=b.max_model_len,
-                                                          vocab_size=b.vocab_size)])
+                                                          vocab_size=b.vocab_size,
+                                                          tokenizer_dir=getattr(b, "tokenizer_dir", None) or "")])
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         await self._authenticate(context)

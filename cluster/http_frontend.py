@@ -368,7 +368,7 @@ class HttpFrontend:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             return _error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
-        return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created))
+        return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
     async def model(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
@@ -377,7 +377,7 @@ class HttpFrontend:
         if request.match_info["model"] != b.model_name:
             return _error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
                                f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
-        return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created))
+        return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenization(request, tok.TokenizeBody, tok.tokenize)

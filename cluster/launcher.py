@@ -291,6 +291,7 @@ async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_
                          Router(config.router), actors, channel_host=host, channel_advertise_host=advertise,
                          channel_ports=ports, health=config.health, respawn=respawn,
                          on_failed=on_failed)
+    backend.tokenizer_dir = model_dir  # the checkpoint folder holds the tokenizer (`kvrelay models`, /v1/models)
     await backend.start(tolerate_missing=tolerate_missing)
     return backend
 

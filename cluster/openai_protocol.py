@@ -449,10 +449,12 @@ def _finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value  # stop, length; abort when the operator aborted
 
 
-def model_list(model: str, max_model_len: int, created: int) -> dict:
-    return {"object": "list", "data": [model_card(model, max_model_len, created)]}
+def model_list(model: str, max_model_len: int, created: int, root: str | None = None) -> dict:
+    return {"object": "list", "data": [model_card(model, max_model_len, created, root)]}
 
 
-def model_card(model: str, max_model_len: int, created: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": "kvrelay",
+def model_card(model: str, max_model_len: int, created: int, root: str | None = None) -> dict:
+    """``root``: the served checkpoint's folder, tokenizer included (as vLLM's ``root``), for clients that
+    need the tokenizer locally (``vllm bench serve --tokenizer``)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvrelay", "root": root or model,
             "max_model_len": max_model_len}

@@ -80,6 +80,7 @@ class RayBackend:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.tokenizer_dir: str | None = None  # the served checkpoint's folder, tokenizer included
         self.router = router
         self.replicas = replicas  # replica id -> (stage, actor handle), updated when one is replaced
         self.health = health

@@ -88,6 +88,22 @@ def _thread_niceness(stage):
     return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
 
 
+def test_models_name_the_local_tokenizer_folder_for_benchmark_clients(cluster, capsys):
+    """Benchmark clients (vllm bench serve, guidellm) need the tokenizer and cannot fetch it from a hub."""
+    import json
+    import urllib.request
+    from pathlib import Path
+
+    from cluster.cli import main
+
+    (info,) = cluster.client.list_models()
+    assert (Path(info.tokenizer_dir) / "tokenizer.json").is_file()
+    assert main(["models", "--target", cluster.target]) == 0
+    assert f"tokenizer {info.tokenizer_dir}" in capsys.readouterr().out
+    card = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/v1/models", timeout=10).read())
+    assert card["data"][0]["root"] == info.tokenizer_dir
+
+
 def test_replicas_run_their_loop_and_channel_threads_at_normal_priority(cluster):
     """Ray starts workers niced (worker_niceness 15): a replica's loop would
     then give its core to anything that wakes on the host."""
