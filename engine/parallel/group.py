@@ -90,6 +90,7 @@ class _State:
         self.kv_paths: list[str] = []  # the workers' KV cache files, until unlinked
         self.rank_kv: list[list] = []  # rank -> layer -> KV tensor, once every rank is ready
         self.rank_kv_error: str | None = None  # why rank_kv is empty on a group that started (CUDA)
+        self.peer_devices: list = []  # CUDA: the other ranks' GPUs, as this process opened their caches
 
     def unlink_kv(self) -> None:
         for path in self.kv_paths:
@@ -105,7 +106,7 @@ class _State:
         if self.is_closed:
             return
         self.is_closed = True
-        self.rank_kv = []  # before the workers go: CUDA IPC views must be released while their exporters run
+        self.rank_kv, self.peer_devices = [], []  # before the workers go: CUDA IPC views are released
         try:
             if self.shm is not None:
                 if self.is_healthy:
@@ -222,6 +223,7 @@ class TPGroup:
                 mapped = self._import_kv_caches(num_blocks, ready)
             if kv_caches is not None and mapped is not None:
                 self.state.rank_kv = [list(kv_caches), *mapped]
+                self.state.peer_devices = sorted({t.device for r in mapped for t in r if t.is_cuda}, key=str)
         except BaseException:
             self.fail()
             raise
@@ -291,6 +293,16 @@ class TPGroup:
     def send_step(self, payload: bytes) -> None:
         self.check()
         self.state.shm.send(payload)
+
+    def finish_peer_writes(self) -> None:
+        """CUDA: wait for what this process queued on the other ranks' GPUs (the KV receiver's copies into
+        their caches, through the IPC views), so that a rank's next step reads them complete: another
+        process's kernels are not ordered after this one's streams. A no-op on CPU."""
+        if self.state.peer_devices:
+            import torch
+
+            for device in self.state.peer_devices:
+                torch.cuda.synchronize(device)
 
     def check(self) -> None:
         """Raise where the group can no longer run a step."""
