@@ -5,6 +5,7 @@ shared memory across two real processes; tests/gpu/test_tp_cuda.py runs it on GP
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -137,3 +138,16 @@ def test_a_handle_opens_on_rank_0s_index_of_its_gpu():
 def test_a_gpu_rank_0_does_not_see_is_refused_naming_it():
     with pytest.raises(RuntimeError, match="rank 1's KV cache is on GPU GPU-c, which rank 0 does not see"):
         import_kv(_shared(uuid="GPU-c"), (4, 2, 16, 1, 8), "float32", 2, uuids=["GPU-a"])
+
+
+def test_llm_refuses_more_ranks_than_gpus_naming_both(tmp_path):
+    from engine.parallel.devices import cuda_device_count
+    from engine.parallel.shm import SEGMENT_PREFIX, SHM_DIR
+
+    save_tiny_model(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=8, hidden_size=64)
+    mine = lambda: {n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")}  # noqa: E731
+    before, seen = mine(), cuda_device_count()
+    tp = 2 if seen < 2 else 8 if seen < 8 else pytest.skip("this host has 8 GPUs or more")
+    with pytest.raises(ConfigError, match=f"{tp} ranks need {tp} GPUs \\(one each\\) and this host sees {seen}"):
+        LLM(str(tmp_path), dtype="float32", device="cuda", tensor_parallel_size=tp, num_kv_blocks=8)
+    assert mine() <= before  # the group's segment went with the refusal
