@@ -55,9 +55,11 @@ def export_kv(rank: int, kv_caches: list[torch.Tensor]) -> SharedKV:
     """The handles of this rank's cache (the tensors must outlive every importer's use)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
+    from engine.kv_cache import dtype_name
+
     first = kv_caches[0]
     return SharedKV(rank, device_uuid(first.device), [reduce_tensor(t) for t in kv_caches],
-                    tuple(first.shape), str(first.dtype).removeprefix("torch."))
+                    tuple(first.shape), dtype_name(first.dtype))
 
 
 def local_index(shared: SharedKV, uuids: list[str]) -> int:
