@@ -90,7 +90,8 @@ class StageSpec(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     placement_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # `serve` fails if not placed by then
-    tp_backend: Literal["shm", "gloo"] = "shm"  # the all-reduce between the ranks (engine.parallel)
+    # the all-reduce between the ranks (engine.parallel): auto is shm on CPU replicas, nccl on GPU ones
+    tp_backend: Literal["auto", "shm", "gloo", "nccl"] = "auto"
     tp_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # a collective that waits longer fails the replica
     resources: Resources = Field(default_factory=Resources)  # of each rank
     max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS)
@@ -133,10 +134,15 @@ class StageSpec(_Strict):
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be >= block_size ({self.block_size})")
-        tp = self.tensor_parallel_size
-        if tp > 1 and self.resources.num_gpus > 0:
-            raise ValueError(f"tensor_parallel_size {tp} runs on CPU only so far (resources.num_gpus "
-                             f"{self.resources.num_gpus:g})")
+        tp, gpus = self.tensor_parallel_size, self.resources.num_gpus
+        if tp > 1 and 0 < gpus < 1:
+            raise ValueError(f"tensor_parallel_size {tp} with resources.num_gpus {gpus:g}: each rank needs a "
+                             "GPU of its own (num_gpus >= 1 per rank)")
+        if self.tp_backend == "nccl" and gpus == 0:
+            raise ValueError("tp_backend: nccl needs device: cuda (resources.num_gpus > 0)")
+        if tp > 1 and self.tp_backend in ("shm", "gloo") and gpus > 0:
+            raise ValueError(f"tp_backend: {self.tp_backend} sums host memory and the replica is on GPUs "
+                             f"(resources.num_gpus {gpus:g}): use nccl (or auto)")
         return self
 
     def engine_config(self, dtype: str, seed: int = 0) -> EngineConfig:

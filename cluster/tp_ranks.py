@@ -152,6 +152,7 @@ class RayRankLauncher:
     name: str  # the replica's actor name; ranks are <name>-rank<r>
     ray_options: dict  # one rank's num_cpus / num_gpus / resources
     num_threads: int | None = None
+    isolates_devices = True  # Ray sets each GPU rank's CUDA_VISIBLE_DEVICES to its bundle's GPU
 
     def start(self, specs: list[WorkerSpec], timeout_s: float):
         import ray

@@ -182,7 +182,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TP_BACKENDS = ("shm", "gloo")
+TP_BACKENDS = ("auto", "shm", "gloo", "nccl")
 # engine.kernels.KERNEL_ISAS (a test holds them equal; config imports no torch)
 KERNEL_ISAS = ("auto", "avx512bf16", "avx2", "none")
 # engine.quant.QUANTIZATIONS (a test holds them equal)
@@ -208,10 +208,11 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never replay captured decode graphs (engine/cuda_graph.py)
     kv_cache_prefault: bool = False  # CPU: write every page of the KV cache at start (kv_cache.allocate_kv_cache)
     # tensor parallelism (engine/parallel): ranks, the all-reduce between them ("shm": shared
-    # memory on one host, "gloo": torch.distributed over TCP), and how long a collective may wait.
+    # memory on one host, "gloo": torch.distributed over TCP, both CPU; "nccl": torch.distributed
+    # on CUDA; "auto": shm on CPU, nccl on CUDA), and how long a collective may wait.
     # kv_cache_memory_gb / num_kv_blocks are per rank (each rank's cache holds only its KV heads).
     tensor_parallel_size: int = 1
-    tp_backend: str = "shm"
+    tp_backend: str = "auto"
     tp_timeout_s: float = 60.0
     # CPU bf16: which native kernel build runs (engine/kernels.py): "auto", the best this
     # CPU runs; "avx512bf16" or "avx2" (an error where the CPU lacks it); "none", torch's ops
@@ -228,6 +229,13 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     expert_placement: str = "contiguous"
     moe_dispatch: str = "allreduce"
+
+    @property
+    def tp_comm_backend(self) -> str:
+        """The collectives' backend once ``auto`` is resolved: shm on CPU, nccl on CUDA."""
+        if self.tp_backend != "auto":
+            return self.tp_backend
+        return "nccl" if self.device.startswith("cuda") else "shm"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -257,8 +265,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
-        if tp > 1 and not self.device.startswith("cpu"):
-            raise ConfigError(f"tensor_parallel_size: {tp} runs on CPU only so far (device {self.device!r})")
         if self.tp_backend not in TP_BACKENDS:
             raise ConfigError(f"tp_backend: must be one of {TP_BACKENDS}, got {self.tp_backend!r}")
         if self.expert_placement not in EXPERT_PLACEMENTS:
@@ -268,6 +274,16 @@ class EngineConfig:
         if self.moe_dispatch == "alltoall" and self.device.startswith("cpu"):
             raise ConfigError("moe_dispatch: 'alltoall' needs a backend with an all-to-all (NCCL); CPU ranks "
                               "(shm, gloo) hold replicated activations after attention, use 'allreduce'")
+        is_cuda = self.device.startswith("cuda")
+        if self.tp_backend == "nccl" and not is_cuda:
+            raise ConfigError(f"tp_backend: nccl needs device: cuda (device {self.device!r}; "
+                              "on CPU use shm or gloo)")
+        if tp > 1 and self.tp_backend in ("shm", "gloo") and is_cuda:
+            raise ConfigError(f"tp_backend: {self.tp_backend} sums host memory and the device is "
+                              f"{self.device!r}: use nccl (or auto)")
+        if tp > 1 and is_cuda and self.device != "cuda":
+            raise ConfigError(f"device: give 'cuda' at tensor_parallel_size {tp} (each rank takes its own "
+                              f"GPU, engine.parallel.devices), got {self.device!r}")
         if not self.tp_timeout_s > 0:
             raise ConfigError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.max_num_batched_tokens < self.block_size:

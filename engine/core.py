@@ -2,6 +2,7 @@
 execute → update. Used by the offline LLM and by both serving stages."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -21,6 +22,8 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving.types import LoadReport
+
+log = logging.getLogger(__name__)
 
 
 def pick_dtype(name: str, device: str, quantization: str = "none") -> str:
@@ -73,6 +76,13 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
         # (a mixture of experts sizes its per-expert batches on the host: no graph capture)
         graphs = config.device.startswith("cuda") and not config.enforce_eager and not model_config.is_moe
+        if graphs and tp_group is not None:
+            # a captured step would hold NCCL all-reduces that every rank must replay in lockstep, and the
+            # other ranks run their steps eagerly (engine.parallel.worker): TP>1 on CUDA runs eagerly
+            log.info("CUDA graphs off at tensor_parallel_size %d: the other ranks run decode steps eagerly, "
+                     "and a graph's NCCL all-reduces would need every rank to replay the same graph",
+                     config.tensor_parallel_size)
+            graphs = False
         # with CUDA graphs, one block past the pool's is where padded batch rows write
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks + graphs, config.device,
                                            prefault=config.kv_cache_prefault)

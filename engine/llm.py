@@ -40,7 +40,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
-        tp_backend: str = "shm",
+        tp_backend: str = "auto",
         tp_timeout_s: float = 60.0,
         kernel_isa: str = "auto",
         quantization: str = "none",

@@ -4,8 +4,9 @@ A model sees only `Collectives`: ``all_reduce`` (sum across the ranks, the
 result on every rank) and ``gather_vocab`` (the vocab-parallel logits,
 concatenated along the vocabulary on the rank that samples). `SINGLE` is the
 TP=1 no-op. The implementations live beside this module and are chosen by
-name: ``shm`` (engine.parallel.shm, ranks on one host) and ``gloo``
-(torch.distributed over TCP); imported lazily, so the model imports no
+name: ``shm`` (engine.parallel.shm, ranks on one host), ``gloo``
+(torch.distributed over TCP) and ``nccl`` (torch.distributed on CUDA, a GPU per
+rank); imported lazily, so the model imports no
 torch.distributed.
 """
 from __future__ import annotations
@@ -65,30 +66,30 @@ class _Single:
 SINGLE: Collectives = _Single()
 
 
-class GlooCollectives:
-    """torch.distributed with the gloo backend (CPU tensors, over TCP even on one host:
-    each all-reduce costs round trips between the processes; engine.parallel.bench measures it).
-    bf16 is summed in fp32, as the shared-memory path does."""
+class _DistCollectives:
+    """torch.distributed collectives over one process group; a subclass names the backend and
+    how a tensor is summed (`_sum`)."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float):
+    backend = ""
+
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, **init_kwargs):
         import torch.distributed as dist
 
         self.rank, self.size, self._dist = rank, size, dist
         self.stats = CollectiveStats()
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s), **init_kwargs)
+
+    def _sum(self, x: torch.Tensor) -> None:
+        self._dist.all_reduce(x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            if x.dtype == torch.float32:
-                self._dist.all_reduce(x)
-            else:
-                acc = x.float()
-                self._dist.all_reduce(acc)
-                x.copy_(acc)
+            self._sum(x)
         except RuntimeError as e:
-            raise CollectiveError(f"tensor-parallel all-reduce (gloo) failed on rank {self.rank}: {e}") from e
+            raise CollectiveError(f"tensor-parallel all-reduce ({self.backend}) failed on rank {self.rank}: "
+                                  f"{e}") from e
         self.stats.add(x.numel() * x.element_size(), time.perf_counter() - t0)
         return x
 
@@ -99,10 +100,50 @@ class GlooCollectives:
         try:
             self._dist.gather(x, parts, dst=0)
         except RuntimeError as e:
-            raise CollectiveError(f"tensor-parallel gather (gloo) failed on rank {self.rank}: {e}") from e
+            raise CollectiveError(f"tensor-parallel gather ({self.backend}) failed on rank {self.rank}: "
+                                  f"{e}") from e
         self.stats.gather_s += time.perf_counter() - t0
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
+
+
+class GlooCollectives(_DistCollectives):
+    """torch.distributed with the gloo backend (CPU tensors, over TCP even on one host:
+    each all-reduce costs round trips between the processes; engine.parallel.bench measures it).
+    bf16 is summed in fp32, as the shared-memory path does."""
+
+    backend = "gloo"
+
+    def _sum(self, x: torch.Tensor) -> None:
+        if x.dtype == torch.float32:
+            self._dist.all_reduce(x)
+        else:
+            acc = x.float()
+            self._dist.all_reduce(acc)
+            x.copy_(acc)
+
+
+class NcclCollectives(_DistCollectives):
+    """torch.distributed with the NCCL backend: CUDA tensors, each rank on its own GPU
+    (``device``, engine.parallel.devices), bound at init so the communicator is built eagerly.
+    NCCL sums bf16/fp16 natively and every rank gets the same bits. Collectives time out after
+    ``timeout_s`` (torch's NCCL watchdog aborts the communicator), so no rank waits forever."""
+
+    backend = "nccl"
+
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: str):
+        torch.cuda.set_device(device)
+        super().__init__(rank, size, init_method, timeout_s, device_id=torch.device(device))
+
+
+def dist_collectives(backend: str, rank: int, size: int, init_method: str, timeout_s: float,
+                     device: str) -> _DistCollectives:
+    """The torch.distributed collectives of ``backend`` ("gloo" or "nccl") for this rank."""
+    if backend == "nccl":
+        return NcclCollectives(rank, size, init_method, timeout_s, device)
+    if backend == "gloo":
+        return GlooCollectives(rank, size, init_method, timeout_s)
+    raise ValueError(f"no torch.distributed collectives for tp_backend {backend!r}")

@@ -4,7 +4,8 @@ shared segment, the collectives, and their teardown.
     group = TPGroup(model_dir, config, model_config)   # creates the segment, starts ranks 1..N-1
     ... rank 0 builds its own shard of the model (EngineCore) ...
     group.finish_start(num_blocks, kv_caches)          # every rank maps its cache; all ready
-    group.rank_kv_caches()                             # rank -> layer -> KV tensor (for the KV transfer)
+    group.rank_kv_caches()                             # rank -> layer -> KV tensor (for the KV transfer;
+                                                       #   CPU: shared files, CUDA: IPC handles)
     group.send_step(payload)                           # once per step (engine.parallel.step)
     group.close()                                      # STOP, join; or abort and kill
 
@@ -28,7 +29,8 @@ import time
 import weakref
 
 from engine.config import EngineConfig, ModelConfig
-from engine.parallel.comm import CollectiveError, GlooCollectives
+from engine.parallel.comm import CollectiveError, dist_collectives
+from engine.parallel.devices import cuda_device_count, rank_device
 from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.kv_shm import create_kv_segment, kv_segment_path, map_kv_cache, unlink_kv_segment
 from engine.parallel.sharding import ShardLayout
@@ -81,12 +83,14 @@ class _State:
         self.procs: list = []
         self.conns: list = []
         self.shm: ShmGroup | None = None
-        self.gloo: GlooCollectives | None = None
+        self.dist = None  # engine.parallel.comm's gloo or NCCL collectives, with those backends
         self.is_healthy = True
         self.is_closed = False
         self.num_threads: int | None = None  # this process's torch threads before the group set its own
         self.kv_paths: list[str] = []  # the workers' KV cache files, until unlinked
         self.rank_kv: list[list] = []  # rank -> layer -> KV tensor, once every rank is ready
+        self.rank_kv_error: str | None = None  # why rank_kv is empty on a group that started (CUDA)
+        self.peer_devices: list = []  # CUDA: the other ranks' GPUs, as this process opened their caches
 
     def unlink_kv(self) -> None:
         for path in self.kv_paths:
@@ -102,6 +106,7 @@ class _State:
         if self.is_closed:
             return
         self.is_closed = True
+        self.rank_kv, self.peer_devices = [], []  # before the workers go: CUDA IPC views are released
         try:
             if self.shm is not None:
                 if self.is_healthy:
@@ -126,12 +131,11 @@ class _State:
 
                 torch.set_num_threads(self.num_threads)
             self.unlink()
-            self.unlink_kv()
-            self.rank_kv = []  # the mappings go with the last tensor that views them
+            self.unlink_kv()  # (CPU: the mappings go with the last tensor that views them)
             for c in self.conns:
                 c.close()
-            if self.gloo is not None:
-                self.gloo.close()
+            if self.dist is not None:
+                self.dist.close()
             if self.shm is not None:
                 self.shm.close()
 
@@ -148,10 +152,17 @@ class TPGroup:
         self.rank_memory: dict[int, RankMemory] = {}  # ranks 1.. as they reported when ready
         try:
             launcher = launcher or SpawnLauncher()
-            gloo = f"tcp://127.0.0.1:{_free_port()}" if config.tp_backend == "gloo" else None
+            backend = config.tp_comm_backend
+            isolated = launcher.isolates_devices
+            if config.device.startswith("cuda"):  # every rank's GPU exists (offline: refused naming both counts)
+                self.device = rank_device(config.device, 0, tp, cuda_device_count(), isolated)
+                rank_device(config.device, tp - 1, tp, cuda_device_count(), isolated)
+            else:
+                self.device = config.device
+            init = f"tcp://127.0.0.1:{_free_port()}" if backend in ("gloo", "nccl") else None
             threads = launcher.num_threads or threads_per_rank(tp)
-            specs = [WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, gloo,
-                                is_oversubscribed(tp)) for rank in range(1, tp)]
+            specs = [WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, init,
+                                is_oversubscribed(tp), devices_isolated=isolated) for rank in range(1, tp)]
             for p, conn in launcher.start(specs, config.tp_timeout_s + 60.0):
                 state.procs.append(p)
                 state.conns.append(conn)
@@ -161,9 +172,9 @@ class TPGroup:
                                  oversubscribed=is_oversubscribed(tp))
             self._await(Attached, config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
-            if gloo is not None:
-                state.gloo = GlooCollectives(0, tp, gloo, config.tp_timeout_s)
-            self.comm = state.gloo or state.shm
+            if init is not None:
+                state.dist = dist_collectives(backend, 0, tp, init, config.tp_timeout_s, self.device)
+            self.comm = state.dist or state.shm
             import torch
 
             state.num_threads = torch.get_num_threads()
@@ -206,10 +217,13 @@ class TPGroup:
         try:
             mapped = self._create_kv_caches(num_blocks)
             self.state.shm.send(init_message(num_blocks))
-            self._await(Ready, START_TIMEOUT_S)
+            ready = self._await(Ready, START_TIMEOUT_S)
             self.state.unlink_kv()  # every rank maps its cache
+            if mapped is None and all(r.kv is not None for r in ready):
+                mapped = self._import_kv_caches(num_blocks, ready)
             if kv_caches is not None and mapped is not None:
                 self.state.rank_kv = [list(kv_caches), *mapped]
+                self.state.peer_devices = sorted({t.device for r in mapped for t in r if t.is_cuda}, key=str)
         except BaseException:
             self.fail()
             raise
@@ -228,18 +242,37 @@ class TPGroup:
             self.fail()
             raise
 
-    def _create_kv_caches(self, num_blocks: int) -> list[list] | None:
-        """Each worker rank's cache file, created and mapped here (the worker maps it at init)."""
-        if self.config.device != "cpu":
-            return None  # CUDA: IPC handles would go here (engine.parallel.kv_shm)
+    def _rank_kv_spec(self, rank: int):
         from engine.core import pick_dtype
         from engine.kv_cache import KVCacheSpec
 
         dtype = pick_dtype(self.config.dtype, self.config.device)
+        heads = ShardLayout.for_rank(self.model_config, rank, self.size).num_kv_heads
+        return KVCacheSpec.for_model(self.model_config, self.config.block_size, dtype, num_kv_heads=heads)
+
+    def _import_kv_caches(self, num_blocks: int, ready: list[Ready]) -> list[list] | None:
+        """CUDA: open each worker's exported cache (engine.parallel.kv_ipc). One that rank 0 cannot
+        open (a GPU it does not see) leaves the group serving; only `rank_kv_caches` raises, naming why."""
+        from engine.parallel.kv_ipc import import_kv
+
+        try:
+            out = []
+            for rank, msg in enumerate(ready, start=1):
+                spec = self._rank_kv_spec(rank)
+                out.append(import_kv(msg.kv, (num_blocks, *spec.block_shape), spec.dtype, spec.num_layers))
+            return out
+        except RuntimeError as e:
+            log.warning("tensor-parallel KV caches not shared with rank 0: %s", e)
+            self.state.rank_kv_error = str(e)
+            return None
+
+    def _create_kv_caches(self, num_blocks: int) -> list[list] | None:
+        """Each worker rank's cache file, created and mapped here (the worker maps it at init)."""
+        if self.config.device != "cpu":
+            return None  # CUDA: each worker allocates its own and shares IPC handles (_import_kv_caches)
         mapped = []
         for rank in range(1, self.size):
-            heads = ShardLayout.for_rank(self.model_config, rank, self.size).num_kv_heads
-            spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, dtype, num_kv_heads=heads)
+            spec = self._rank_kv_spec(rank)
             path = kv_segment_path(self.state.segment, rank)
             create_kv_segment(path, spec, num_blocks, rank, prefault=self.config.kv_cache_prefault)
             self.state.kv_paths.append(path)
@@ -248,17 +281,28 @@ class TPGroup:
 
     def rank_kv_caches(self) -> list[list]:
         """rank -> layer -> that rank's KV cache tensor (``[num_blocks, 2, block_size, its heads, head_dim]``),
-        rank 0's own and the others' mapped from their shared memory: what the replica's one KV transfer
-        endpoint reads (prefill) or writes (decode). Valid while the group is up."""
+        rank 0's own and the others' mapped from their shared memory (CPU) or opened from their CUDA IPC
+        handles (each on its rank's GPU): what the replica's one KV transfer endpoint reads (prefill) or
+        writes (decode). Valid while the group is up."""
         self.check()
         if not self.state.rank_kv:
-            raise RuntimeError("rank_kv_caches: only a CPU group that finished starting maps every rank's cache "
-                               "(CUDA would share IPC handles: not implemented)")
+            raise RuntimeError("rank_kv_caches: " + (self.state.rank_kv_error
+                                                     or "the group has not finished starting"))
         return self.state.rank_kv
 
     def send_step(self, payload: bytes) -> None:
         self.check()
         self.state.shm.send(payload)
+
+    def finish_peer_writes(self) -> None:
+        """CUDA: wait for what this process queued on the other ranks' GPUs (the KV receiver's copies into
+        their caches, through the IPC views), so that a rank's next step reads them complete: another
+        process's kernels are not ordered after this one's streams. A no-op on CPU."""
+        if self.state.peer_devices:
+            import torch
+
+            for device in self.state.peer_devices:
+                torch.cuda.synchronize(device)
 
     def check(self) -> None:
         """Raise where the group can no longer run a step."""

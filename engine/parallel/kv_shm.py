@@ -15,10 +15,8 @@ Rank 0's own cache stays in its process (huge pages, engine.kv_cache).
 The layout inside a file: layer after layer, each the engine's
 ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor, page-aligned.
 
-On CUDA the same seam would hand rank 0 CUDA IPC handles of each rank's
-device cache (``torch.multiprocessing``'s storage sharing) instead of a
-file; `map_kv_cache` is where that would drop in. Not implemented: a
-CUDA-resident TP group's ``rank_kv_caches`` raises.
+On CUDA each worker allocates its cache on its own GPU and hands rank 0
+CUDA IPC handles of it instead of a file (engine.parallel.kv_ipc).
 """
 from __future__ import annotations
 

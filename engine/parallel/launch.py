@@ -48,6 +48,7 @@ class RankProcess(Protocol):
 
 class RankLauncher(Protocol):
     num_threads: int | None  # torch threads per rank; None: this host's cores shared among the ranks
+    isolates_devices: bool  # each rank sees only its own GPU (Ray), not the host's (engine.parallel.devices)
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[tuple[RankProcess, Connection]]:
         """Start ranks 1..N-1 (``specs`` in rank order); return each one's process and connection,
@@ -58,6 +59,7 @@ class SpawnLauncher:
     """Ranks as multiprocessing spawn children of rank 0 (daemonic: they go with it)."""
 
     num_threads = None
+    isolates_devices = False  # children see every GPU: rank r takes cuda:r
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[tuple[RankProcess, Connection]]:
         ctx = mp.get_context("spawn")

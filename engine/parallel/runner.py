@@ -19,6 +19,7 @@ class TPRunner(ModelRunner):
 
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None):
         self.group.check()
+        self.group.finish_peer_writes()  # CUDA: KV received into other ranks' caches is complete before they read it
         try:
             self.group.send_step(self.encoder.encode(batch))
             return super().execute(batch, layer_hook)

@@ -3,11 +3,13 @@ replica; engine.parallel.launch) that runs its shard of every step.
 
 Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 
-1. attach: map the shared segment (and join gloo, with that backend);
-2. load: read this rank's shard of the checkpoint, build the model on it;
+1. attach: map the shared segment (and join gloo or NCCL, with those backends; on CUDA
+   the rank's GPU is chosen by engine.parallel.devices);
+2. load: read this rank's shard of the checkpoint, build the model on it (on its device);
 3. init: take the KV cache size from rank 0's first message, map this rank's
    cache (its KV heads only) from the shared-memory file rank 0 made for it
-   (engine.parallel.kv_shm; CUDA: allocated here), report ready with its memory figures;
+   (engine.parallel.kv_shm; CUDA: allocated on its GPU and exported as CUDA IPC
+   handles, engine.parallel.kv_ipc), report ready with its memory figures (and the handles);
 4. run: for each step message, rebuild the batch from the mirrored block
    tables, run the forward (joining every all-reduce) and, where the batch
    samples, hand its vocabulary slice of the logits to rank 0;
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.parallel.kv_ipc import SharedKV
 from engine.parallel.shm import SegmentLayout
 
 INIT = 3
@@ -46,9 +49,10 @@ class WorkerSpec:
     segment: str
     layout: SegmentLayout
     num_threads: int
-    gloo_init_method: str | None  # set with tp_backend "gloo"
+    dist_init_method: str | None  # torch.distributed's rendezvous, with tp_backend gloo or nccl
     oversubscribed: bool  # more ranks than cores
     leader_pid: int | None = None  # rank 0's process where it is not this one's parent (a Ray actor)
+    devices_isolated: bool = False  # each rank sees only its own GPU (Ray): engine.parallel.devices
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Attached:
 @dataclass(frozen=True)
 class Ready:
     memory: RankMemory
+    kv: "SharedKV | None" = None  # CUDA: this rank's cache as IPC handles, for rank 0 (engine.parallel.kv_ipc)
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,8 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         from engine.core import pick_dtype
         from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
         from engine.model import LlamaModel
-        from engine.parallel.comm import GlooCollectives
+        from engine.parallel.comm import dist_collectives
+        from engine.parallel.devices import cuda_device_count, rank_device
         from engine.parallel.sharding import ShardLayout, load_shard
         from engine.parallel.shm import ShmGroup
         from engine.parallel.step import STOP, StepDecoder
@@ -151,6 +157,10 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 
         torch.set_num_threads(spec.num_threads)
         config = spec.config
+        device = rank_device(config.device, spec.rank, spec.size,
+                             cuda_device_count() if config.device.startswith("cuda") else 0, spec.devices_isolated)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
         if spec.leader_pid is None:
             peers_alive = lambda: os.getppid() == parent  # noqa: E731
         else:
@@ -160,14 +170,14 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
                        peers_alive=peers_alive, oversubscribed=spec.oversubscribed)
         conn.send(Attached())
-        comm = shm if spec.gloo_init_method is None else GlooCollectives(
-            spec.rank, spec.size, spec.gloo_init_method, config.tp_timeout_s)
+        comm = shm if spec.dist_init_method is None else dist_collectives(
+            config.tp_comm_backend, spec.rank, spec.size, spec.dist_init_method, config.tp_timeout_s, device)
         cfg = read_config(spec.model_dir)
         layout = ShardLayout.for_engine(cfg, spec.rank, config)
         _, weights = load_shard(spec.model_dir, layout, torch.float32)
         dtype_name = pick_dtype(config.dtype, config.device)
         max_len = config.max_model_len or cfg.max_position_embeddings
-        model = LlamaModel(cfg, weights, torch_dtype(dtype_name), config.device, max_positions=max_len,
+        model = LlamaModel(cfg, weights, torch_dtype(dtype_name), device, max_positions=max_len,
                            kernel_isa=config.kernel_isa, shard=layout, comm=comm, moe_dispatch=config.moe_dispatch)
         del weights
         init = np.frombuffer(shm.recv(), dtype=np.int64)
@@ -182,9 +192,15 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             kv_path = kv_segment_path(spec.segment, spec.rank)
             kv_caches = map_kv_cache(kv_path, kv_spec, int(init[1]))
         else:
-            kv_caches = allocate_kv_cache(kv_spec, int(init[1]), config.device, prefault=config.kv_cache_prefault)
+            kv_caches = allocate_kv_cache(kv_spec, int(init[1]), device, prefault=config.kv_cache_prefault)
         runner = ModelRunner(model, kv_caches, config.block_size)
-        conn.send(Ready(memory_report(model)))
+        shared = None
+        if device.startswith("cuda"):  # rank 0's KV endpoint opens them; they stay valid while this process runs
+            from engine.parallel.kv_ipc import export_kv
+
+            torch.cuda.synchronize(device)
+            shared = export_kv(spec.rank, kv_caches)
+        conn.send(Ready(memory_report(model), shared))
         decoder = StepDecoder()
         window = None
         with torch.no_grad():

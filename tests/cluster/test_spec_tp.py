@@ -31,14 +31,25 @@ def test_tp_reaches_the_engine_and_the_launcher():
     ({"tensor_parallel_size": 4, "placement_strategy": "STRICT_SPREAD"},
      "colocated.placement_strategy: STRICT_SPREAD may put the 4 ranks on different hosts"),
     ({"placement_strategy": "RANDOM"}, "colocated.placement_strategy: must be one of"),
-    ({"tp_backend": "nccl"}, "colocated.tp_backend: must be one of"),
+    ({"tp_backend": "rdma"}, "colocated.tp_backend: must be one of"),
+    ({"tp_backend": "nccl"}, "tp_backend: nccl needs device: cuda"),
+    ({"tensor_parallel_size": 2, "tp_backend": "shm", "resources": {"num_gpus": 1}},
+     "tp_backend: shm sums host memory and the replica is on GPUs"),
+    ({"tensor_parallel_size": 2, "resources": {"num_gpus": 0.5}}, "each rank needs a GPU of its own"),
     ({"tp_timeout_s": 0}, "colocated.tp_timeout_s: must be > 0"),
-    ({"tensor_parallel_size": 2, "resources": {"num_gpus": 1}}, "tensor_parallel_size 2 runs on CPU only so far"),
 ])
 def test_tp_fields_refused_with_their_path(stage, problem):
     with pytest.raises(SpecError) as e:
         Spec.model_validate(colocated(**stage))
     assert problem in str(e.value)
+
+
+def test_a_gpu_tp_replica_runs_nccl_on_cuda_with_a_gpu_per_rank():
+    cfg = split_spec(Spec.model_validate(colocated(tensor_parallel_size=2, resources={"num_gpus": 1})))
+    stage = cfg.stages[Stage.COLOCATED]
+    e = stage.engine
+    assert (e.device, e.tensor_parallel_size, e.tp_comm_backend) == ("cuda", 2, "nccl")
+    assert stage.ray_options["num_gpus"] == 1  # per rank: each rank's bundle asks for its own GPU
 
 
 def test_spread_is_fine_for_a_single_rank():
