@@ -10,21 +10,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import EchoBackend
-from tests.cluster.test_http import CHAT, ServedFrontends, wait_for
-
-
-@pytest.fixture(scope="module")
-def echo_http():
-    server = ServedFrontends(EchoBackend())
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def served(echo_http):
-    echo_http.backend.reset()
-    yield echo_http
-    wait_for(lambda: not echo_http.backend.running)
+from tests.cluster.test_http import CHAT, ServedFrontends, echo_http, served  # noqa: F401  (echo_http, served: fixtures)
 
 
 def test_a_list_of_prompts_gets_one_choice_each_in_order_and_summed_usage(served):

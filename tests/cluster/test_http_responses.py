@@ -6,22 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.cluster.conftest import EchoBackend
-from tests.cluster.test_http import ServedFrontends, wait_for
-
-
-@pytest.fixture(scope="module")
-def echo_http():
-    server = ServedFrontends(EchoBackend())
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def served(echo_http):
-    echo_http.backend.reset()
-    yield echo_http
-    wait_for(lambda: not echo_http.backend.running)
+from tests.cluster.test_http import echo_http, served  # noqa: F401  (the echo frontends, as fixtures)
 
 
 def test_a_string_input_goes_through_the_chat_template(served):
