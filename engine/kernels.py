@@ -128,12 +128,36 @@ def load_native_ops(isa: str | None = None):
 
 
 def _build(isa: Isa):
+    """Build (or load the cached build of) `isa`'s extension.
+
+    The sources are copied into the build folder and compiled from there, so every checkout
+    with the same sources writes the same build.ninja and shares one build (torch rebuilds
+    whenever build.ninja changes, and absolute source paths differ per checkout). The build
+    runs under an flock of our own, which the kernel releases if the process dies: holding
+    it, a torch lock file left by a killed build is stale, and is removed instead of being
+    waited on for ever."""
+    import fcntl
+    import shutil
+
     try:
         from torch.utils.cpp_extension import load
 
-        return load(f"kvrelay_cpu_ops_{isa.name}", [str(p) for p in _SRCS], build_directory=str(_build_dir(isa.name)),
-                    extra_include_paths=[str(_CSRC)],
-                    extra_cflags=["-O3", "-fopenmp", "-fvisibility=hidden", *isa.cflags], verbose=False)
+        d = _build_dir(isa.name)
+        src = d / "src"
+        src.mkdir(exist_ok=True)
+        with open(d / ".kvrelay-build.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            for p in _CSRC.iterdir():
+                if p.suffix in (".cpp", ".h") and (not (src / p.name).exists()
+                                                   or (src / p.name).read_bytes() != p.read_bytes()):
+                    shutil.copyfile(p, src / p.name)
+            stale = d / "lock"  # torch.utils.file_baton's: nobody else can hold it while we hold the flock
+            if stale.exists():
+                log.warning("removing a stale kernel build lock %s (a build was killed)", stale)
+                stale.unlink()
+            return load(f"kvrelay_cpu_ops_{isa.name}", [str(src / p.name) for p in _SRCS], build_directory=str(d),
+                        extra_include_paths=[str(src)],
+                        extra_cflags=["-O3", "-fopenmp", "-fvisibility=hidden", *isa.cflags], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         log.warning("%s CPU kernels unavailable, using torch's ops: %s", isa.name, e)
         return None
