@@ -40,8 +40,8 @@ def test_colocated_tp2_equals_engine_tp1(served, prompts, reference):
     body = urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/metrics", timeout=10).read().decode()
     for rid, r in status.items():
         for rank, pid in enumerate(r.rank_pids):
-            assert f'kvrelay_replica_rank_pid{{rank="{rank}",replica="{rid}",stage="colocated"}} {float(pid)}' \
-                in body
+            assert (f'kvrelay_replica_rank_pid{{model_name="{served.cluster.config.model}",rank="{rank}",'
+                    f'replica="{rid}",stage="colocated"}} {float(pid)}') in body
 
 
 def test_the_profiler_writes_a_trace_per_rank(served, prompts, tmp_path):
