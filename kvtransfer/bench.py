@@ -48,9 +48,15 @@ def _receiver_main(conn, transport: str, num_blocks: int) -> None:
     from kvtransfer import KVReceiver
 
     pool = BlockPool(num_blocks)
-    rx = KVReceiver(allocate_kv_cache(SPEC, num_blocks), pool, FINGERPRINT,
-                    ReceiverConfig(SECRET, transport, max_workers=64))
+    serve_receiver(conn, KVReceiver(allocate_kv_cache(SPEC, num_blocks), pool, FINGERPRINT,
+                                    ReceiverConfig(SECRET, transport, max_workers=64)), pool)
+
+
+def serve_receiver(conn, rx, pool: BlockPool) -> None:
+    """A bench's receiver process: send ``rx``'s endpoint, then answer ("reserve", id, tokens) with a
+    ticket and ("exit",) with whether ``pool`` ended free; blocks of DONE transfers go back as they end."""
     conn.send(rx.endpoint)
+
     def free_done():
         for r in rx.poll():
             if r.status == "DONE":

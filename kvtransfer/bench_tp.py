@@ -33,6 +33,7 @@ from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvtransfer import slabs
 from kvtransfer.config import ReceiverConfig, SenderConfig
 from kvtransfer.layout import KVLayout
+from kvtransfer.bench import serve_receiver
 
 LAYOUTS = {tp: KVLayout(30, 4, 64, 16, "bfloat16", tp) for tp in (1, 2)}
 FINGERPRINT = {"architecture": "llama", "hidden_size": "576", "vocab_size": "49152"}
@@ -112,25 +113,8 @@ def _receiver_main(conn, transport: str, tp: int, num_blocks: int) -> None:
 
     layout = LAYOUTS[tp]
     pool = BlockPool(num_blocks)
-    rx = KVReceiver(rank_caches(layout, num_blocks), pool, FINGERPRINT,
-                    ReceiverConfig(SECRET, transport, max_workers=64), layout=layout)
-    conn.send(rx.endpoint)
-
-    def free_done():
-        for r in rx.poll():
-            if r.status == "DONE":
-                pool.free(rx.release(r.request_id))
-
-    while True:
-        free_done()
-        if conn.poll(0.05):
-            msg = conn.recv()
-            if msg[0] == "exit":
-                rx.close()
-                conn.send(pool.is_fully_free())
-                return
-            free_done()
-            conn.send(rx.reserve(msg[1], msg[2]))
+    serve_receiver(conn, KVReceiver(rank_caches(layout, num_blocks), pool, FINGERPRINT,
+                                    ReceiverConfig(SECRET, transport, max_workers=64), layout=layout), pool)
 
 
 class Pair:
