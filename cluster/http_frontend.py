@@ -52,6 +52,7 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -102,6 +103,34 @@ def _raised(req: GenerateRequest, e: Exception) -> errors.Failure:
     if failure.is_unexpected:
         log.error("request %s failed", req.request_id, exc_info=e)
     return failure
+
+
+@dataclass
+class _Whole:
+    """A request's deltas gathered for a non-streaming answer."""
+
+    text: str
+    logprobs: list
+    num_tokens: int
+    last: GenerateDelta  # the finishing delta (reason, cached tokens, timeline)
+
+
+async def _gather(req: GenerateRequest, first: GenerateDelta,
+                  deltas: AsyncIterator[GenerateDelta]) -> _Whole | web.Response:
+    """Every delta from ``first`` to the finishing one; a failure on the way as the response to send."""
+    parts, lps, num_tokens, delta = [], [], 0, first
+    while True:
+        if delta.finish_reason is FinishReason.ERROR:
+            return _failed(errors.request_failed(delta.error))
+        parts.append(delta.text)
+        lps.extend(delta.logprobs or ())
+        num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            return _Whole("".join(parts), lps, num_tokens, delta)
+        try:
+            delta = await anext(deltas)
+        except Exception as e:
+            return _failed(_raised(req, e))
 
 
 def _with_timeline(body: dict, req: GenerateRequest, delta: GenerateDelta) -> dict:
@@ -241,22 +270,13 @@ class HttpFrontend:
     @staticmethod
     async def _collect(req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
                        first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
-        parts, lps, num_tokens, delta = [], [], 0, first
-        while True:
-            if delta.finish_reason is FinishReason.ERROR:
-                return _failed(errors.request_failed(delta.error))
-            parts.append(delta.text)
-            lps.extend(delta.logprobs or ())
-            num_tokens += len(delta.token_ids)
-            if delta.finish_reason is not None:
-                break
-            try:
-                delta = await anext(deltas)
-            except Exception as e:
-                return _failed(_raised(req, e))
-        usage = oai.usage(req.num_prompt_tokens, num_tokens, delta.num_cached_tokens)
-        return web.json_response(_with_timeline(out.response("".join(parts), delta.finish_reason, lps, usage),
-                                                req, delta))
+        whole = await _gather(req, first, deltas)
+        if isinstance(whole, web.Response):
+            return whole
+        delta = whole.last
+        usage = oai.usage(req.num_prompt_tokens, whole.num_tokens, delta.num_cached_tokens)
+        return web.json_response(_with_timeline(out.response(whole.text, delta.finish_reason, whole.logprobs,
+                                                             usage), req, delta))
 
     @staticmethod
     async def _stream(request: web.Request, req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
@@ -348,20 +368,11 @@ class HttpFrontend:
                 return _failed(errors.request_failed(first.error))
             if body.stream:
                 return await _stream_response(request, req, objects, first, deltas)
-            parts, num_tokens, delta = [], 0, first
-            while True:
-                if delta.finish_reason is FinishReason.ERROR:
-                    return _failed(errors.request_failed(delta.error))
-                parts.append(delta.text)
-                num_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    break
-                try:
-                    delta = await anext(deltas)
-                except Exception as e:
-                    return _failed(_raised(req, e))
-            return web.json_response(objects.response("".join(parts), delta.finish_reason, num_tokens,
-                                                      delta.num_cached_tokens))
+            whole = await _gather(req, first, deltas)
+            if isinstance(whole, web.Response):
+                return whole
+            return web.json_response(objects.response(whole.text, whole.last.finish_reason, whole.num_tokens,
+                                                      whole.last.num_cached_tokens))
 
     # ---- the rest --------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
