@@ -107,26 +107,26 @@ class _StatusCollector:
                 if r.is_alive or name == "replica_up":  # a dead replica's last load is not its load now
                     family.add_metric([self.model_name, r.stage.value, r.replica_id], float(value(r)))
             yield family
-        ranks = GaugeMetricFamily("kvrelay_replica_rank_pid", "Process id of each rank of a live replica",
-                                  labels=["model_name", "stage", "replica", "rank"])
-        for r in status.replicas:
-            if r.is_alive:
-                for rank, pid in enumerate(r.rank_pids):
-                    ranks.add_metric([self.model_name, r.stage.value, r.replica_id, str(rank)], float(pid))
-        yield ranks
-        experts = CounterMetricFamily(
-            "kvrelay_replica_expert_tokens", "Tokens routed to each expert of a mixture of experts since the "
-            "replica started, summed over its sparse layers (a hot expert shows here)",
-            labels=["model_name", "stage", "replica", "expert"])
-        for r in status.replicas:
-            if r.is_alive:
-                for expert, n in enumerate(r.expert_load):
-                    experts.add_metric([self.model_name, r.stage.value, r.replica_id, str(expert)], float(n))
-        yield experts
+        yield self._per_index(GaugeMetricFamily, "kvrelay_replica_rank_pid",
+                              "Process id of each rank of a live replica", "rank", status, lambda r: r.rank_pids)
+        yield self._per_index(CounterMetricFamily, "kvrelay_replica_expert_tokens",
+                              "Tokens routed to each expert of a mixture of experts since the replica started, "
+                              "summed over its sparse layers (a hot expert shows here)", "expert", status,
+                              lambda r: r.expert_load)
         waiting = GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
                                     labels=["model_name"])
         waiting.add_metric([self.model_name], status.num_waiting)
         yield waiting
+
+
+    def _per_index(self, kind, name: str, doc: str, label: str, status, values) -> Metric:
+        """A series per (live replica, index) of ``values(replica)``, labelled ``label``."""
+        family = kind(name, doc, labels=["model_name", "stage", "replica", label])
+        for r in status.replicas:
+            if r.is_alive:
+                for i, v in enumerate(values(r)):
+                    family.add_metric([self.model_name, r.stage.value, r.replica_id, str(i)], float(v))
+        return family
 
 
 class ServingMetrics:
