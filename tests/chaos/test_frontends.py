@@ -72,6 +72,7 @@ def test_each_frontend_serves_the_same_replicas(deployment):
         replicas = {r.replica_id: r for r in c.status().replicas}
         assert sorted(replicas) == ["decode-0", "decode-1", "prefill-0"]
         assert all(r.is_alive for r in replicas.values())
+    assert all(rc.wait_pools_free().values())
 
 
 def test_losing_a_frontend_loses_only_its_requests(deployment):
@@ -145,3 +146,4 @@ def test_frontends_share_one_port_with_reuse_port(ray_instance):
         for _ in range(4):
             with KVRelayClient(rc.target, timeout=60) as c:
                 assert list(c.generate(PROMPTS[0], **GREEDY).token_ids) == reference
+        assert all(rc.wait_pools_free().values())
