@@ -9,6 +9,7 @@ the running cluster.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -154,12 +155,20 @@ class Cluster:
     def stop_actors(self) -> None:
         import ray
 
+        # every replica closes at once (each frees its KV pool and ranks), ten seconds for all, then goes
+        closing = []
         for _, actor in self.actors.values():
             try:
-                ray.get(actor.close.remote(), timeout=10)
+                closing.append(actor.close.remote())
             except Exception:
                 pass
-            ray.kill(actor)
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=10)
+        for _, actor in self.actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
         for rid in list(self.placement_groups):
             self._remove_group(rid)
         self.actors.clear()
@@ -260,17 +269,32 @@ class Cluster:
             except asyncio.CancelledError:
                 pass
         t0 = time.monotonic()
+        # every phase is bounded: a stop never hangs on one part that does not answer
         if self.frontends is not None:
-            await self.frontends.stop(grace=5.0)
+            await _bounded(self.frontends.stop(grace=5.0), 5.0 + STOP_PHASE_TIMEOUT_S, "the frontends")
         t1 = time.monotonic()
         if self.backend is not None:
-            await self.backend.stop()
+            await _bounded(self.backend.stop(), STOP_PHASE_TIMEOUT_S, "the backend")
         t2 = time.monotonic()
-        await asyncio.get_running_loop().run_in_executor(None, self.stop_actors)
+        # a thread of its own: the loop's default executor may be busy with what is being stopped
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-stop") as pool:
+            await asyncio.get_running_loop().run_in_executor(pool, self.stop_actors)
         t3 = time.monotonic()
         if t3 - t0 > 20:  # say where a slow stop spent its time
             log.warning("stopping took %.1fs: frontends %.1fs, backend %.1fs, actors %.1fs", t3 - t0, t1 - t0,
                         t2 - t1, t3 - t2)
+
+
+STOP_PHASE_TIMEOUT_S = 15.0  # the most one phase of `Cluster.stop` may take before the next goes on
+
+
+async def _bounded(coro, timeout_s: float, what: str) -> None:
+    try:
+        await asyncio.wait_for(coro, timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("stopping: %s did not stop within %.0fs; going on", what, timeout_s)
+    except Exception:
+        log.exception("stopping: %s failed to stop; going on", what)
 
 
 async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_joined: bool, respawn,

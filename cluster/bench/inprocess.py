@@ -5,7 +5,9 @@ initialized first."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import traceback
 import time
 from contextlib import contextmanager
 
@@ -57,8 +59,24 @@ def running_cluster(spec: dict):
         yield rc
         rc.client.close()
     finally:
-        asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
+        stopping = asyncio.run_coroutine_threadsafe(cluster.stop(), loop)
+        try:
+            stopping.result(120)
+        except TimeoutError:
+            _dump_stuck(loop)  # what the stop waits on, for whoever reads the failure
+            raise
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
 
 
+
+
+def _dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """Every thread's stack and every pending task of ``loop``, on stderr."""
+    print("cluster.stop() did not finish; threads:", file=sys.stderr)
+    for ident, frame in sys._current_frames().items():
+        print(f"--- thread {ident}", file=sys.stderr)
+        traceback.print_stack(frame, file=sys.stderr)
+    for task in asyncio.all_tasks(loop):
+        print(f"--- task {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
