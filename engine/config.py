@@ -212,6 +212,12 @@ class EngineConfig:
     # on CUDA; "auto": shm on CPU, nccl on CUDA), and how long a collective may wait.
     # kv_cache_memory_gb / num_kv_blocks are per rank (each rank's cache holds only its KV heads).
     tensor_parallel_size: int = 1
+    # pipeline parallelism: the layers split into this many contiguous ranges, one per pipeline
+    # stage of ranks (each stage tensor_parallel_size ranks); even by default, or explicit layer
+    # counts (`pipeline_layer_split`, summing to the model's layers: engine.parallel.sharding.pipeline_layers).
+    # A replica has pipeline_parallel_size x tensor_parallel_size ranks, rank = pp_rank * tp + tp_rank.
+    pipeline_parallel_size: int = 1
+    pipeline_layer_split: tuple[int, ...] | None = None
     tp_backend: str = "auto"
     tp_timeout_s: float = 60.0
     # CPU bf16: which native kernel build runs (engine/kernels.py): "auto", the best this
@@ -265,6 +271,19 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ConfigError(f"pipeline_parallel_size: must be an integer >= 1, got {pp!r}")
+        split = self.pipeline_layer_split
+        if split is not None:
+            if (not isinstance(split, (list, tuple)) or
+                    any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split)):
+                raise ConfigError(f"pipeline_layer_split: must be a list of layer counts >= 1, got {split!r}")
+            if len(split) != pp:
+                raise ConfigError(f"pipeline_layer_split: {len(split)} counts for pipeline_parallel_size {pp}; "
+                                  "give one per pipeline stage")
+        if pp != 1:  # (until the pipeline runner lands)
+            raise ConfigError(f"pipeline_parallel_size: {pp} is not supported yet; use 1")
         if self.tp_backend not in TP_BACKENDS:
             raise ConfigError(f"tp_backend: must be one of {TP_BACKENDS}, got {self.tp_backend!r}")
         if self.expert_placement not in EXPERT_PLACEMENTS:

@@ -84,6 +84,29 @@ def kv_heads_of(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
     return rank // (size // num_kv_heads), 1
 
 
+def pipeline_layers(num_layers: int, pp: int, split=None) -> tuple[range, ...]:
+    """The global layers of each pipeline stage: contiguous ranges, ``split``'s counts in
+    order, or as even as they go (the first ``num_layers % pp`` stages one layer more).
+    ConfigError names ``pipeline_layer_split`` / ``pipeline_parallel_size`` where they do
+    not fit the model."""
+    if split is None:
+        if pp > num_layers:
+            raise ConfigError(f"pipeline_parallel_size: {pp} stages for a model of {num_layers} layers; "
+                              "each stage needs at least one layer")
+        base, extra = divmod(num_layers, pp)
+        split = [base + (i < extra) for i in range(pp)]
+    if len(split) != pp:
+        raise ConfigError(f"pipeline_layer_split: {len(split)} counts for pipeline_parallel_size {pp}")
+    if sum(split) != num_layers:
+        raise ConfigError(f"pipeline_layer_split: {list(split)} sums to {sum(split)} layers; the model has "
+                          f"{num_layers}")
+    ranges, start = [], 0
+    for n in split:
+        ranges.append(range(start, start + n))
+        start += n
+    return tuple(ranges)
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """What rank `rank` of `size` holds (the whole model at size 1)."""

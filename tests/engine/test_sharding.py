@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.parallel.sharding import ShardLayout, check_tensor_parallel, load_shard, weight_shards
+from engine.parallel.sharding import ShardLayout, check_tensor_parallel, load_shard, pipeline_layers, weight_shards
 from engine.parallel.step import StepDecoder, StepEncoder
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -155,3 +155,30 @@ def test_the_step_message_rebuilds_the_same_batch_through_appends_preemption_and
     c.output_token_ids += [60]
     check([ScheduledSeq(a2, 2, 0), ScheduledSeq(c, 1, 5)])
     assert dec.blocks == {s: list(q.block_ids) for s, (q, _) in enc._mirror.items()}
+
+
+def test_pipeline_layers_even_uneven_and_explicit():
+    assert pipeline_layers(7, 1) == (range(0, 7),)
+    assert pipeline_layers(7, 3) == (range(0, 3), range(3, 5), range(5, 7))
+    assert pipeline_layers(6, 2, [1, 5]) == (range(0, 1), range(1, 6))
+
+
+@pytest.mark.parametrize("num_layers,pp,split,message", [
+    (4, 2, [1, 2], "sums to 3 layers; the model has 4"),
+    (4, 2, [4], "1 counts for pipeline_parallel_size 2"),
+    (2, 3, None, "3 stages for a model of 2 layers"),
+])
+def test_pipeline_layers_refuse_a_split_that_does_not_fit(num_layers, pp, split, message):
+    with pytest.raises(ConfigError, match="pipeline_") as e:
+        pipeline_layers(num_layers, pp, split)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size: must be an integer >= 1"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_split=(1, 2, 3)), "3 counts for pipeline_parallel_size 2"),
+    (dict(pipeline_layer_split=(0,)), "layer counts >= 1"),
+])
+def test_engine_config_names_a_bad_pipeline_setting(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs).validate()
