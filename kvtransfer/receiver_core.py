@@ -9,7 +9,9 @@ It holds every decode rank's cache (rank -> layer; one rank at TP=1) and
 the replica's KVLayout. The handshake accepts a sender of another
 tensor-parallel layout when every other fingerprint field agrees and the
 reshard plan from its layout covers every (layer, head) of every rank here
-exactly once (reshard.check_plan). A chunk names a global KV-head range; it
+exactly once (reshard.check_plan); a pipeline-parallel sender's ranks must
+hold every layer exactly once, a gap or an overlap refused naming the layers.
+This replica itself is one pipeline stage (KVLayout.check_decode). A chunk names a global KV-head range; it
 is written into each rank that holds some of those heads (replicated heads:
 into each of them), at that rank's local offsets.
 This module imports no transport, so a transport may import it.
@@ -58,6 +60,7 @@ class ReceiverCore:
             if len(rank_caches) > 1:
                 raise ValueError(f"kv_caches: {len(rank_caches)} ranks need their KVLayout")
             layout = KVLayout.of_caches(rank_caches[0])
+        layout.check_decode()
         layout.check_caches(rank_caches)
         self.layout = layout
         self.kv_bytes = [slabs.byte_views(layers) for layers in rank_caches]  # rank -> layer -> [blocks, slab]
@@ -132,11 +135,12 @@ class ReceiverCore:
         mismatch = auth.fingerprint_mismatch(self.fingerprint, dict(fingerprint), ignore=LAYOUT_FIELDS)
         if mismatch:
             raise HandshakeError(f"handshake refused: {mismatch}")
-        try:  # a sender of any tensor-parallel layout, as long as its plan covers every rank here once
-            plan = KVLayout.from_fingerprint(dict(fingerprint)).plan_to(self.layout)
+        try:  # a sender of any PP x TP layout, as long as its plan covers every layer and rank here once
+            theirs = KVLayout.from_fingerprint(dict(fingerprint))
+            plan = theirs.plan_to(self.layout)
         except PlanError as e:
-            raise PlanError(f"handshake refused: KV layout of tp_size {fingerprint.get('tp_size')} into "
-                            f"{self.layout.tp_size}: {e}") from None
+            raise PlanError(f"handshake refused: KV layout of {theirs.shape_name} into {self.layout.shape_name}: "
+                            f"{e}") from None
         except ValueError as e:
             raise HandshakeError(f"handshake refused: {e}") from None
         session = Session(_secrets.token_hex(16), transport, plan)

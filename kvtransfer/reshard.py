@@ -1,4 +1,4 @@
-"""The reshard plan: which prefill rank's KV heads land in which decode ranks. Plain Python.
+"""The reshard plan: which prefill rank's layers and KV heads land in which decode ranks. Plain Python.
 
 A replica at tensor-parallel size tp holds, on each rank, a contiguous range
 of the model's global KV heads (``KVLayout.rank_heads``). Moving a prompt's KV
@@ -12,11 +12,18 @@ The block runs come from each transfer's ticket. A head range that several
 decode ranks replicate (tp > num_kv_heads) is read once and written to each
 of them; of several prefill ranks that replicate a head, the lowest reads it.
 
-``plan_transfer`` builds the plan from the heads each side says it holds;
-``check_plan`` refuses, before any byte moves, a plan that does not write every
-(layer, head) of every decode rank exactly once from a prefill rank that
-holds it, naming the missing or doubled piece. Both ends of a transfer run
-both at the handshake.
+Pipeline parallelism on the prefill side: prefill rank r holds only the
+global layers ``src_layers[r]`` (rank = pp_rank * tp + tp_rank), so a unit's
+layers are a run of global layers that one rank holds, and its source is the
+rank holding those layers and heads. Units are keyed by global layer id, never
+by the position of a buffer in a rank's (local) list.
+
+``plan_transfer`` builds the plan from the layers and heads each side says it
+holds; ``check_plan`` refuses, before any byte moves, a prefill layout whose
+pipeline ranks leave a layer to no rank or give one to two (naming the layers
+and ranks), and a plan that does not write every (layer, head) of every decode
+rank exactly once from a prefill rank that holds it, naming the missing or
+doubled piece. Both ends of a transfer run both at the handshake.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class PlanUnit:
-    layers: range  # global layer ids
+    layers: range  # global layer ids (all held by the src rank)
     heads: range  # global KV heads
     src: Placement  # the prefill rank read
     dsts: tuple[Placement, ...]  # every decode rank written
@@ -49,45 +56,113 @@ class TransferPlan:
     src_heads: tuple[range, ...]  # per prefill rank: the global KV heads it holds
     dst_heads: tuple[range, ...]  # per decode rank
     units: tuple[PlanUnit, ...]
+    src_layers: tuple[range, ...] = ()  # per prefill rank: the global layers it holds (empty: every rank all)
+    src_tp: int = 0  # the prefill replica's tp_size (rank = pp_rank * tp + tp_rank); 0: len(src_heads)
+
+    def layers_of(self, rank: int) -> range:
+        return self.src_layers[rank] if self.src_layers else range(self.num_layers)
 
     @property
     def is_identity(self) -> bool:
         """Homogeneous: each unit is one prefill rank's whole cache into the same rank's on decode."""
-        return all(len(u.dsts) == 1 and u.src.rank == u.dsts[0].rank and u.heads == self.src_heads[u.src.rank]
-                   == self.dst_heads[u.src.rank] for u in self.units)
+        return len(self.src_heads) == len(self.dst_heads) and all(
+            len(u.dsts) == 1 and u.src.rank == u.dsts[0].rank and u.heads == self.src_heads[u.src.rank]
+            == self.dst_heads[u.src.rank] and u.layers == range(self.num_layers) for u in self.units)
 
 
 def _holder(ranges: Sequence[range], head: int) -> list[int]:
     return [r for r, heads in enumerate(ranges) if head in heads]
 
 
-def plan_transfer(num_layers: int, src_heads: Sequence[range], dst_heads: Sequence[range]) -> TransferPlan:
-    """Units over every layer, one per run of heads with the same source rank and the same decode ranks.
+def plan_transfer(num_layers: int, src_heads: Sequence[range], dst_heads: Sequence[range],
+                  src_layers: Sequence[range] | None = None, src_tp: int = 0) -> TransferPlan:
+    """Units: per run of global layers, one per run of heads with the same source rank (the lowest that holds
+    those layers and heads) and the same decode ranks. src_layers: per prefill rank its global layers (None:
+    every rank all of them).
 
-    A head that no prefill rank holds gets no unit (check_plan names it)."""
+    A (layer, head) that no prefill rank holds gets no unit (check_plan names it)."""
     src_heads, dst_heads = tuple(src_heads), tuple(dst_heads)
+    src_layers = tuple(src_layers) if src_layers is not None else ()
     num_heads = max([h.stop for h in src_heads + dst_heads] or [0])
+    dsts_of = [tuple(_holder(dst_heads, head)) for head in range(num_heads)]
     units: list[PlanUnit] = []
-    key_prev, start = None, 0
-    for head in range(num_heads + 1):
-        key = None
-        if head < num_heads:
-            srcs, dsts = _holder(src_heads, head), tuple(_holder(dst_heads, head))
-            key = (srcs[0], dsts) if srcs and dsts else None
-        if key != key_prev or head == num_heads:
-            if key_prev is not None:
-                src, dsts = key_prev
-                units.append(PlanUnit(range(num_layers), range(start, head),
-                                      Placement(src, start - src_heads[src].start),
-                                      tuple(Placement(d, start - dst_heads[d].start) for d in dsts)))
-            key_prev, start = key, head
-    return TransferPlan(num_layers, num_heads, src_heads, dst_heads, tuple(units))
+    open_units: dict[tuple, int] = {}  # (heads, src, dsts) of the previous layer -> its unit's index
+    for layer in range(num_layers):
+        holds = [r for r in range(len(src_heads)) if not src_layers or layer in src_layers[r]]
+        runs, key_prev, start = [], None, 0
+        for head in range(num_heads + 1):
+            key = None
+            if head < num_heads:
+                srcs = [r for r in holds if head in src_heads[r]]
+                key = (srcs[0], dsts_of[head]) if srcs and dsts_of[head] else None
+            if key != key_prev or head == num_heads:
+                if key_prev is not None:
+                    runs.append((range(start, head), *key_prev))
+                key_prev, start = key, head
+        still_open = {}
+        for heads, src, dsts in runs:  # extend the previous layer's unit of the same heads, source and targets
+            i = open_units.get((heads, src, dsts))
+            if i is not None:
+                u = units[i]
+                units[i] = PlanUnit(range(u.layers.start, layer + 1), u.heads, u.src, u.dsts)
+            else:
+                i = len(units)
+                units.append(PlanUnit(range(layer, layer + 1), heads, Placement(src, heads.start - src_heads[src].start),
+                                      tuple(Placement(d, heads.start - dst_heads[d].start) for d in dsts)))
+            still_open[(heads, src, dsts)] = i
+        open_units = still_open
+    return TransferPlan(num_layers, num_heads, src_heads, dst_heads, tuple(units), src_layers, src_tp)
+
+
+def check_layers(num_layers: int, src_layers: Sequence[range], tp: int) -> None:
+    """Raise PlanError unless the prefill ranks of each tensor-parallel rank (ranks t, t + tp, t + 2 tp, ...:
+    one per pipeline stage) hold every global layer exactly once, naming the layers no rank holds or the layers
+    two ranks hold."""
+    tp = tp or len(src_layers)
+    for r, layers in enumerate(src_layers):
+        if layers.start < 0 or layers.stop > num_layers:
+            raise PlanError(f"prefill layout: rank {r} holds {_layers(layers)}, outside the model's "
+                            f"{num_layers} (0-{num_layers - 1})")
+    for column in range(tp):
+        ranks = list(range(column, len(src_layers), tp))
+        holders = [[r for r in ranks if layer in src_layers[r]] for layer in range(num_layers)]
+        for layer_run, held_by in _runs(holders):
+            if not held_by:
+                raise PlanError(f"prefill layout: {_layers(layer_run)} {_is(layer_run)} held by no rank")
+            if len(held_by) > 1:
+                raise PlanError(f"prefill layout: {_layers(layer_run)} {_is(layer_run)} held by ranks "
+                                f"{_and(held_by)}")
+
+
+def _runs(values: list) -> list[tuple[range, object]]:
+    """Runs of equal consecutive values: [(indices, value)]."""
+    out: list[tuple[range, object]] = []
+    for i, v in enumerate(values):
+        if out and out[-1][1] == v:
+            out[-1] = (range(out[-1][0].start, i + 1), v)
+        else:
+            out.append((range(i, i + 1), v))
+    return out
+
+
+def _layers(r: range) -> str:
+    return f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"
+
+
+def _is(r: range) -> str:
+    return "are" if len(r) > 1 else "is"
 
 
 def check_plan(plan: TransferPlan) -> None:
-    """Raise PlanError unless every (layer, KV head) of every decode rank is written exactly once, each unit
-    reading heads its prefill rank holds and writing them where its decode rank holds them."""
+    """Raise PlanError unless the prefill ranks' layers cover every layer once (check_layers), and every
+    (layer, KV head) of every decode rank is written exactly once, each unit reading layers and heads its
+    prefill rank holds and writing them where its decode rank holds them."""
     L = plan.num_layers
+    if plan.src_layers:
+        if len(plan.src_layers) != len(plan.src_heads):
+            raise PlanError(f"prefill layout: layers for {len(plan.src_layers)} ranks, heads for "
+                            f"{len(plan.src_heads)}")
+        check_layers(L, plan.src_layers, plan.src_tp)
     for head in range(plan.num_kv_heads):
         if not _holder(plan.dst_heads, head):
             raise PlanError(f"kv-head {head} is held by no decode rank")
@@ -98,6 +173,10 @@ def check_plan(plan: TransferPlan) -> None:
             raise PlanError(f"plan unit for kv-heads {_span(u.heads)} covers layers {_span(u.layers)}, "
                             f"outside the model's {L}")
         _check_placement("prefill", plan.src_heads, u.src, u.heads)
+        held = plan.layers_of(u.src.rank)
+        if u.layers.start < held.start or u.layers.stop > held.stop:
+            raise PlanError(f"plan reads {_layers(u.layers)} from prefill rank {u.src.rank}, which holds "
+                            f"{_layers(held)}")
         for d in u.dsts:
             _check_placement("decode", plan.dst_heads, d, u.heads)
     # written[rank][layer][local head]: the prefill ranks that write it

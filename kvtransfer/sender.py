@@ -50,7 +50,8 @@ from kvtransfer.types import Ack, HandshakeError, PlanError, State, Ticket, Tran
 @dataclass(eq=False)
 class Outbound:
     ticket: Ticket
-    src_bytes: list[list[torch.Tensor]]  # rank -> layer -> [num_blocks, rows, heads, head_bytes] uint8
+    # rank -> GLOBAL layer id -> [num_blocks, rows, heads, head_bytes] uint8 (None: a layer the rank does not hold)
+    src_bytes: list[list[torch.Tensor | None]]
     src_block_ids: list[int]
     deadline: float
     num_layers: int
@@ -103,8 +104,9 @@ class KVSender:
         self._link_for(endpoint)
 
     def start(self, ticket: Ticket, kv_caches, src_block_ids: list[int], num_tokens: int) -> None:
-        """Queue one request's KV: ``src_block_ids`` (the same ids on every rank) of ``kv_caches``, rank -> layer
-        -> tensor (at TP=1 also layer -> tensor), into the ticket's blocks."""
+        """Queue one request's KV: ``src_block_ids`` (the same ids on every rank) of ``kv_caches``, rank -> local
+        layer -> tensor (at TP=1 also layer -> tensor; under pipeline parallelism rank r's list holds the layers
+        ``layout.layers_of(r)``, read by global layer id), into the ticket's blocks."""
         if self.layout is None:
             raise ValueError("KVSender: the fingerprint names no KV layout (num_layers, num_kv_heads, head_dim, "
                              "block_size, dtype): pass layout=")
@@ -114,7 +116,7 @@ class KVSender:
         if num_blocks != len(ticket.block_ids) or num_blocks != len(src_block_ids):
             raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks; ticket has {len(ticket.block_ids)},"
                              f" source has {len(src_block_ids)}")
-        ob = Outbound(ticket, rank_views(ranks), list(src_block_ids), time.time() + self.config.deadline_s,
+        ob = Outbound(ticket, self.layout.global_layers(rank_views(ranks)), list(src_block_ids), time.time() + self.config.deadline_s,
                       self.layout.num_layers)
         with self._lock:
             if ticket.request_id in self._sends:
@@ -128,6 +130,10 @@ class KVSender:
         In a TP group rank 0's hook runs after its attention of ``layer`` and before that layer's all-reduces,
         so another rank has surely written its KV of a layer only once rank 0 is past them: a layer is sent
         once the hook of a later layer ran, the last one at ``commit`` (after the forward pass).
+
+        Pipeline parallelism: ``layer`` is a global layer id, whichever pipeline rank holds it; the hook of a
+        stage's first layer runs after the stage before it finished, so the rule above holds across stages, and
+        at TP=1 each layer leaves at its own hook, on its own pipeline rank's schedule.
         """
         ob = self._get(request_id)
         if ob is not None:
@@ -145,7 +151,7 @@ class KVSender:
         return ready
 
     def _queue_layer(self, ob: Outbound, layer: int) -> None:
-        if ob.src_bytes[0][0].is_cuda:  # the layer's kernels may still run: order the send after them
+        if next(kv for kv in ob.src_bytes[0] if kv is not None).is_cuda:  # the layer's kernels may still run: order the send after them
             ob.layer_ready[layer] = torch.cuda.Event()
             ob.layer_ready[layer].record()
         self._events.put(("layer", ob, layer))
@@ -372,7 +378,7 @@ class KVSender:
         try:
             return self.layout.plan_to(theirs)
         except PlanError as e:
-            raise PlanError(f"plan refused: KV layout of tp_size {self.layout.tp_size} into {theirs.tp_size}: "
+            raise PlanError(f"plan refused: KV layout of {self.layout.shape_name} into {theirs.shape_name}: "
                             f"{e}") from None
 
     def _get(self, request_id: str) -> Outbound | None:

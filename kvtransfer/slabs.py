@@ -50,14 +50,14 @@ def gather(src: list[torch.Tensor], layers: range, block_ids: Sequence[int],
     ``out`` (a flat uint8 buffer of the right size) or a fresh tensor.
     """
     runs = contiguous_runs(block_ids)
-    n, slab = len(block_ids), src[0].shape[1]
+    n, slab = len(block_ids), src[layers[0]].shape[1]
     if len(layers) == 1 and len(runs) == 1:
         first, _ = runs[0]
         return src[layers[0]][first:first + n]
     if out is None:
-        out = torch.empty(len(layers) * n * slab, dtype=torch.uint8, device=src[0].device)
+        out = torch.empty(len(layers) * n * slab, dtype=torch.uint8, device=src[layers[0]].device)
     out = out.view(len(layers), n, slab)  # [layers, blocks, slab_bytes]
-    if src[0].device.type == "cpu":
+    if src[layers[0]].device.type == "cpu":
         o, ids = out.numpy(), np.asarray(block_ids, dtype=np.int64)
         for i, layer in enumerate(layers):
             if len(runs) == 1:
@@ -85,8 +85,9 @@ def rank_views(rank_caches: list[list[torch.Tensor]]) -> list[list[torch.Tensor]
 
 
 def as_slabs(layers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Head views back as ``[num_blocks, slab_bytes]`` (no copy)."""
-    return [hv.view(hv.shape[0], -1) for hv in layers]
+    """Head views back as ``[num_blocks, slab_bytes]`` (no copy); None (a layer another pipeline rank holds)
+    stays None."""
+    return [hv if hv is None else hv.view(hv.shape[0], -1) for hv in layers]
 
 
 def gather_heads(src: list[torch.Tensor], layers: range, block_ids: Sequence[int], head: int, num_heads: int,
@@ -94,16 +95,17 @@ def gather_heads(src: list[torch.Tensor], layers: range, block_ids: Sequence[int
     """Local heads ``[head, head + num_heads)`` of the blocks ``src[layer][block_ids]`` of each layer,
     layer-major, as ``[len(layers) * n, rows * num_heads * head_bytes]``: a strided copy into ``out`` (a flat
     uint8 buffer of that size) or a fresh tensor. All of the rank's heads: ``gather`` (a view when it can)."""
-    nb, rows, heads, hb = src[0].shape
+    first = src[layers[0]]
+    nb, rows, heads, hb = first.shape
     if head == 0 and num_heads == heads:
         return gather(as_slabs(src), layers, block_ids, out)
     n = len(block_ids)
     if out is None:
-        out = torch.empty(len(layers) * n * rows * num_heads * hb, dtype=torch.uint8, device=src[0].device)
+        out = torch.empty(len(layers) * n * rows * num_heads * hb, dtype=torch.uint8, device=first.device)
     o = out.view(len(layers), n, rows, num_heads, hb)  # [layers, blocks, rows, heads, head_bytes]
     runs = contiguous_runs(block_ids)
     heads_of = slice(head, head + num_heads)
-    if src[0].device.type == "cpu":  # one numpy copy per layer (a fancy index over scattered blocks)
+    if first.device.type == "cpu":  # one numpy copy per layer (a fancy index over scattered blocks)
         on, ids = o.numpy(), np.asarray(block_ids, dtype=np.int64)
         for i, layer in enumerate(layers):
             s = src[layer].numpy()

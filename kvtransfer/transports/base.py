@@ -40,7 +40,8 @@ class Link(ABC):
         """Send ``chunk``: its layers x ``src_block_ids[chunk.first_block:+chunk.num_blocks]`` x its KV heads,
         read from rank ``chunk.src_rank``.
 
-        src: rank -> layer -> ``[num_blocks, 2 * block_size, heads, head_bytes]`` uint8 (``slabs.rank_views``).
+        src: rank -> GLOBAL layer id -> ``[num_blocks, 2 * block_size, heads, head_bytes]`` uint8
+        (``slabs.rank_views`` by ``KVLayout.global_layers``; None where a pipeline rank does not hold the layer).
         """
 
     @abstractmethod
@@ -68,16 +69,16 @@ def chunk_ids(chunk: ChunkPlan, src_block_ids: list[int]) -> list[int]:
 
 def chunk_heads(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> int:
     """How many KV heads the chunk carries (num_heads 0: all its rank holds)."""
-    return chunk.num_heads or src[chunk.src_rank][0].shape[2]
+    return chunk.num_heads or src[chunk.src_rank][chunk.layer].shape[2]
 
 
 def is_whole(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> bool:
     """The chunk carries every head of its rank: whole slabs, no strided copy."""
-    return chunk.src_head == 0 and chunk_heads(src, chunk) == src[chunk.src_rank][0].shape[2]
+    return chunk.src_head == 0 and chunk_heads(src, chunk) == src[chunk.src_rank][chunk.layer].shape[2]
 
 
 def chunk_nbytes(src: list[list[torch.Tensor]], chunk: ChunkPlan) -> int:
-    _, rows, _, head_bytes = src[chunk.src_rank][0].shape
+    _, rows, _, head_bytes = src[chunk.src_rank][chunk.layer].shape
     return chunk.num_layers * chunk.num_blocks * rows * chunk_heads(src, chunk) * head_bytes
 
 

@@ -286,7 +286,7 @@ class GrpcLink(GrpcControl):
 
     def send_chunk(self, transfer_id, chunk: ChunkPlan, src: torch.Tensor, src_block_ids, checksum):
         ids = chunk_ids(chunk, src_block_ids)
-        if src[0][0].device.type != "cpu":
+        if src[chunk.src_rank][chunk.layer].device.type != "cpu":
             parts = [gather(src, chunk, ids).cpu().numpy()]
         else:
             parts = pieces(src, chunk, ids)  # views, no copy
