@@ -127,7 +127,7 @@ def _validate(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
         if args.check_secrets:
             split_spec(spec)
-        if any(s.tensor_parallel_size > 1 for s in spec.stages().values()):
+        if any(s.num_ranks > 1 or s.pipeline_layer_split for s in spec.stages().values()):
             _check_model(spec)
     except SpecError as e:
         print(f"{args.spec}: invalid", file=sys.stderr)
@@ -140,7 +140,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _check_model(spec) -> None:
-    """The spec against its model's config (tensor_parallel_size must split the heads), where
+    """The spec against its model's config (tensor_parallel_size must split the heads, a
+    pipeline_layer_split sum to the layers), where
     the model is at hand here; a model this host cannot read is left to `serve`."""
     from engine.weights import read_config, resolve_model
 
@@ -148,7 +149,7 @@ def _check_model(spec) -> None:
         model_config = read_config(resolve_model(spec.model))
     except Exception as e:  # noqa: BLE001 - not a model here: validated where it is served
         print(f"note: model {spec.model!r} not read here ({type(e).__name__}); tensor_parallel_size "
-              "is checked against it at serve", file=sys.stderr)
+              "and pipeline_layer_split are checked against it at serve", file=sys.stderr)
         return
     spec.check_model(model_config)
 

@@ -23,7 +23,7 @@ from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
 from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
-from cluster.spec_tp import check_tp_fits_model
+from cluster.spec_tp import check_fits_model
 from cluster.types import Stage
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ class Cluster:
                       "(a GGUF is converted once, then cached)")
         self.model_dir = str(resolve_model(cfg.model))
         self.progress(f"model ready in {time.monotonic() - t0:.1f}s: {self.model_dir}")
-        check_tp_fits_model({st: sc.tensor_parallel_size for st, sc in cfg.stages.items()},
-                            read_config(self.model_dir))
+        check_fits_model(cfg.stages, read_config(self.model_dir))
         if not ray.is_initialized():
             address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
             self.progress(f"joining the Ray cluster at {address}" if address else "starting a local Ray instance")
@@ -114,10 +113,10 @@ class Cluster:
                     lifetime=None)
         threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
         kwargs = {}
-        if sc.tensor_parallel_size > 1:
+        if sc.num_ranks > 1:
             from cluster.tp_ranks import RayRankLauncher, in_bundle, place_replica
 
-            pg = place_replica(name, stage, sc.tensor_parallel_size, sc.ray_options, sc.placement_strategy,
+            pg = place_replica(name, stage, sc.num_ranks, sc.ray_options, sc.placement_strategy,
                                sc.placement_timeout_s)
             self.placement_groups[rid] = pg
             opts["scheduling_strategy"] = in_bundle(pg, 0)

@@ -22,18 +22,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.spec_errors import SpecError, format_errors
-from cluster.spec_tp import check_tp_fits_model
+from cluster.spec_tp import check_fits_model
 from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
 from cluster.types import Stage
 from engine.config import EngineConfig
 from kvtransfer.config import MAX_CHUNK_BYTES, GrpcLinkConfig, NcclLinkConfig, ReceiverConfig, SenderConfig
+from kvtransfer.layout import DECODE_PP_REASON
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -43,6 +44,7 @@ MAX_SECONDS = 7 * 24 * 3600.0
 MAX_REPLICAS = 4096
 MAX_CPUS = 1 << 16
 MAX_GPUS = 1 << 12
+MAX_LAYERS = 1 << 16
 MAX_SEQS = 1 << 16
 MAX_TOKENS = 1 << 24  # batched tokens per step, or a model's context
 MAX_BLOCK_SIZE = 1 << 12
@@ -88,6 +90,13 @@ class StageSpec(_Strict):
     # of `resources` per rank (cluster.tp_ranks). The ranks share memory, so they need one host:
     # STRICT_PACK guarantees it; PACK is checked once placed; the spreading strategies are refused.
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
+    # Pipeline parallelism: the layers split into this many contiguous ranges, one per stage of
+    # ranks, even by default or `pipeline_layer_split`'s counts (summing to the model's layers,
+    # checked where the model is read: cluster.spec_tp). A replica is pipeline_parallel_size x
+    # tensor_parallel_size ranks, one bundle of `resources` each. A decode stage stays at 1
+    # (kvtransfer.layout.DECODE_PP_REASON).
+    pipeline_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
+    pipeline_layer_split: list[Annotated[int, Field(ge=1, le=MAX_LAYERS)]] | None = Field(None, max_length=MAX_GPUS)
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     placement_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)  # `serve` fails if not placed by then
     # the all-reduce between the ranks (engine.parallel): auto is shm on CPU replicas, nccl on GPU ones
@@ -114,10 +123,18 @@ class StageSpec(_Strict):
     @field_validator("placement_strategy")
     @classmethod
     def _one_host(cls, v: str, info: ValidationInfo) -> str:
-        tp = info.data.get("tensor_parallel_size", 1)
-        if tp > 1 and v in ("SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"{v} may put the {tp} ranks on different hosts, and they share memory "
+        ranks = info.data.get("tensor_parallel_size", 1) * info.data.get("pipeline_parallel_size", 1)
+        if ranks > 1 and v in ("SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"{v} may put the {ranks} ranks on different hosts, and they share memory "
                              "(one host): use STRICT_PACK or PACK")
+        return v
+
+    @field_validator("pipeline_layer_split")
+    @classmethod
+    def _one_count_per_stage(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        pp = info.data.get("pipeline_parallel_size", 1)
+        if v is not None and len(v) != pp:
+            raise ValueError(f"{len(v)} counts for pipeline_parallel_size {pp}; give one per pipeline stage")
         return v
 
     @field_validator("block_size")
@@ -135,8 +152,8 @@ class StageSpec(_Strict):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be >= block_size ({self.block_size})")
         tp, gpus = self.tensor_parallel_size, self.resources.num_gpus
-        if tp > 1 and 0 < gpus < 1:
-            raise ValueError(f"tensor_parallel_size {tp} with resources.num_gpus {gpus:g}: each rank needs a "
+        if self.num_ranks > 1 and 0 < gpus < 1:
+            raise ValueError(f"{self._ranks_name} with resources.num_gpus {gpus:g}: each rank needs a "
                              "GPU of its own (num_gpus >= 1 per rank)")
         if self.tp_backend == "nccl" and gpus == 0:
             raise ValueError("tp_backend: nccl needs device: cuda (resources.num_gpus > 0)")
@@ -144,6 +161,17 @@ class StageSpec(_Strict):
             raise ValueError(f"tp_backend: {self.tp_backend} sums host memory and the replica is on GPUs "
                              f"(resources.num_gpus {gpus:g}): use nccl (or auto)")
         return self
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of one replica (one process and one placement bundle each)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def _ranks_name(self) -> str:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        return f"tensor_parallel_size {tp}" if pp == 1 else \
+            f"pipeline_parallel_size {pp} x tensor_parallel_size {tp}"
 
     def engine_config(self, dtype: str, seed: int = 0) -> EngineConfig:
         kwargs: dict[str, Any] = {}
@@ -161,6 +189,8 @@ class StageSpec(_Strict):
             enforce_eager=self.enforce_eager,
             kv_cache_prefault=self.kv_cache_prefault,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_layer_split=tuple(self.pipeline_layer_split) if self.pipeline_layer_split else None,
             tp_backend=self.tp_backend,
             tp_timeout_s=self.tp_timeout_s,
             quantization=self.quantization,
@@ -435,6 +465,9 @@ class Spec(_Strict):
         for name in unused:
             if name in self.model_fields_set:
                 problems.append(f"{name}: section is not used in mode {self.mode!r}; remove it")
+        if self.mode == "disaggregated" and self.decode.pipeline_parallel_size > 1:
+            problems.append(f"decode.pipeline_parallel_size: {self.decode.pipeline_parallel_size} refused, "
+                            f"{DECODE_PP_REASON}")
         if self.mode == "disaggregated" and self.prefill.block_size != self.decode.block_size:
             problems.append(f"decode.block_size: must equal prefill.block_size ({self.prefill.block_size}) "
                             f"so KV blocks transfer whole, got {self.decode.block_size}")
@@ -444,8 +477,9 @@ class Spec(_Strict):
         return self
 
     def check_model(self, model_config) -> None:
-        """The checks that need the model's config (`check_tp_fits_model`)."""
-        check_tp_fits_model({stage: s.tensor_parallel_size for stage, s in self.stages().items()}, model_config)
+        """The checks that need the model's config (`check_fits_model`: each stage's TP splits the heads, its
+        pipeline_layer_split sums to the model's layers)."""
+        check_fits_model(self.stages(), model_config)
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> "Spec":
@@ -501,6 +535,13 @@ class StageConfig:
     engine: EngineConfig
     placement_strategy: str = "STRICT_PACK"  # of a tensor-parallel replica's placement group
     placement_timeout_s: float = 60.0
+    pipeline_parallel_size: int = 1
+    pipeline_layer_split: tuple[int, ...] | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of one replica, rank = pp_rank * tp + tp_rank: its placement group's bundles, one each."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -595,7 +636,9 @@ def split_spec(spec: Spec) -> ClusterConfig:
         if s.resources.custom:
             ray_options["resources"] = dict(s.resources.custom)
         stages[stage] = StageConfig(stage, s.replicas, s.tensor_parallel_size, ray_options,
-                                    s.engine_config(spec.dtype), s.placement_strategy, s.placement_timeout_s)
+                                    s.engine_config(spec.dtype), s.placement_strategy, s.placement_timeout_s,
+                                    s.pipeline_parallel_size,
+                                    tuple(s.pipeline_layer_split) if s.pipeline_layer_split else None)
     r = spec.router
     capacity = {stage: r.max_inflight_per_replica or s.max_num_seqs for stage, s in spec.stages().items()}
     router = RouterConfig(

@@ -1,7 +1,9 @@
-"""The spec's tensor-parallel checks that need the model: a TP that does not split the model's
-heads (`check_tp_fits_model`, at `kvrelay validate` and at start). Each problem names its
-field, as every spec problem does. Prefill and decode may differ in TP: the KV transfer
-reshards the heads between them (`kvtransfer.reshard`)."""
+"""The spec's parallelism checks that need the model: a TP that does not split the model's
+heads (`check_tp_fits_model`) and a pipeline split that does not fit its layers
+(`check_pp_fits_model`), at `kvrelay validate` and at start (`check_fits_model`: both). Each
+problem names its field, as every spec problem does. Prefill and decode may differ in TP: the KV
+transfer reshards the heads between them (`kvtransfer.reshard`); a pipeline-parallel prefill
+hands each rank's layers to the decode ranks by global layer id."""
 from __future__ import annotations
 
 from cluster.spec_errors import SpecError
@@ -11,13 +13,47 @@ from cluster.types import Stage
 def check_tp_fits_model(tp_sizes: dict[Stage, int], model_config) -> None:
     """Each stage's tensor_parallel_size splits the model's heads and MLP (``model_config``: an
     ``engine.config.ModelConfig``). Raises SpecError naming ``<stage>.tensor_parallel_size``."""
-    from engine.config import ConfigError
     from engine.parallel.sharding import check_tensor_parallel
 
+    _raise_problems({stage: lambda tp=tp: check_tensor_parallel(model_config, tp) for stage, tp in tp_sizes.items()})
+
+
+def check_pp_fits_model(pipelines: dict[Stage, tuple[int, tuple[int, ...] | None]], model_config) -> None:
+    """Each stage's (pipeline_parallel_size, pipeline_layer_split) fits the model's layers: the split sums to
+    them, or, with no split, every stage gets at least one. Raises SpecError naming
+    ``<stage>.pipeline_layer_split`` (with the split's sum and the model's layer count) or
+    ``<stage>.pipeline_parallel_size``."""
+    from engine.parallel.sharding import pipeline_layers
+
+    _raise_problems({stage: lambda pp=pp, split=split: pipeline_layers(model_config.num_layers, pp, split)
+                     for stage, (pp, split) in pipelines.items()})
+
+
+def check_fits_model(stages: dict, model_config) -> None:
+    """Both checks over ``stages`` (Stage -> a spec's StageSpec or a launcher's StageConfig), every
+    problem of both reported at once."""
     problems = []
-    for stage, tp in tp_sizes.items():
+    for check, of in ((check_tp_fits_model, lambda s: s.tensor_parallel_size),
+                      (check_pp_fits_model, lambda s: (s.pipeline_parallel_size, _split(s.pipeline_layer_split)))):
         try:
-            check_tensor_parallel(model_config, tp)
+            check({stage: of(s) for stage, s in stages.items()}, model_config)
+        except SpecError as e:
+            problems += e.problems
+    if problems:
+        raise SpecError(problems)
+
+
+def _split(split) -> tuple[int, ...] | None:
+    return tuple(split) if split else None
+
+
+def _raise_problems(checks: dict) -> None:
+    from engine.config import ConfigError
+
+    problems = []
+    for stage, check in checks.items():
+        try:
+            check()
         except ConfigError as e:
             problems.append(f"{stage.value}.{e}")
     if problems:

@@ -74,3 +74,90 @@ def test_validate_checks_tp_against_the_models_heads(tmp_path, capsys):
         in capsys.readouterr().err
     spec.write_text(f"model: {tmp_path / 'm'}\nmode: colocated\ncolocated: {{tensor_parallel_size: 2}}\n")
     assert main(["validate", str(spec)]) == 0
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------------------
+@pytest.mark.parametrize("section", ["prefill", "decode", "colocated"])
+def test_pp_fields_are_in_every_stage_spec(section):
+    spec = {"mode": "colocated"} if section == "colocated" else {}
+    stage = {"pipeline_parallel_size": 1, "pipeline_layer_split": [30]}
+    if section != "decode":
+        stage = {"pipeline_parallel_size": 2, "pipeline_layer_split": [10, 20], "tensor_parallel_size": 2}
+    s = getattr(Spec.model_validate({**spec, section: stage}), section)
+    assert (s.pipeline_parallel_size, s.pipeline_layer_split) == (stage["pipeline_parallel_size"],
+                                                                  stage["pipeline_layer_split"])
+    assert s.num_ranks == stage["pipeline_parallel_size"] * stage.get("tensor_parallel_size", 1)
+
+
+def test_pp_reaches_the_engine_and_the_launcher():
+    """The launcher's placement group gets one bundle per rank: pp x tp; the engine gets the split."""
+    from engine.config import ConfigError
+
+    spec = Spec.model_validate(colocated(pipeline_parallel_size=1, pipeline_layer_split=[30]))
+    assert split_spec(spec).stages[Stage.COLOCATED].engine.pipeline_layer_split == (30,)
+    spec = Spec.model_validate(colocated(pipeline_parallel_size=2, pipeline_layer_split=[10, 20],
+                                         tensor_parallel_size=2, resources={"num_cpus": 1}))
+    try:
+        sc = split_spec(spec).stages[Stage.COLOCATED]
+    except ConfigError as e:  # main before the pipeline runner: EngineConfig still refuses pp > 1
+        assert "pipeline_parallel_size: 2 is not supported yet" in str(e)
+        sc = None
+    if sc is not None:
+        assert (sc.num_ranks, sc.pipeline_parallel_size, sc.pipeline_layer_split) == (4, 2, (10, 20))
+        assert (sc.engine.pipeline_parallel_size, sc.engine.pipeline_layer_split) == (2, (10, 20))
+        assert sc.ray_options["num_cpus"] == 1  # per rank
+    assert spec.colocated.num_ranks == 4
+
+
+@pytest.mark.parametrize("stage, problem", [
+    ({"pipeline_parallel_size": 2, "pipeline_layer_split": [10, 10, 10]},
+     "colocated.pipeline_layer_split: 3 counts for pipeline_parallel_size 2"),
+    ({"pipeline_parallel_size": 2, "pipeline_layer_split": [10, 0]}, "colocated.pipeline_layer_split.1:"),
+    ({"pipeline_parallel_size": 0}, "colocated.pipeline_parallel_size:"),
+    ({"pipeline_parallel_size": 2, "placement_strategy": "SPREAD"},
+     "colocated.placement_strategy: SPREAD may put the 2 ranks on different hosts"),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"},
+     "colocated.placement_strategy: STRICT_SPREAD may put the 4 ranks on different hosts"),
+    ({"pipeline_parallel_size": 2, "resources": {"num_gpus": 0.5}},
+     "pipeline_parallel_size 2 x tensor_parallel_size 1 with resources.num_gpus 0.5: each rank needs a GPU"),
+])
+def test_pp_fields_refused_with_their_path(stage, problem):
+    with pytest.raises(SpecError) as e:
+        Spec.model_validate(colocated(**stage))
+    assert problem in str(e.value)
+
+
+def test_a_decode_stage_with_pipeline_parallelism_is_refused_with_the_reason():
+    with pytest.raises(SpecError) as e:
+        Spec.model_validate({"prefill": {"pipeline_parallel_size": 2}, "decode": {"pipeline_parallel_size": 2}})
+    assert "decode.pipeline_parallel_size: 2 refused, a decode replica runs one pipeline stage" in str(e.value)
+    assert "tensor_parallel_size instead" in str(e.value)
+    Spec.model_validate({"prefill": {"pipeline_parallel_size": 2}, "decode": {"tensor_parallel_size": 2}})
+
+
+def test_validate_checks_the_layer_split_against_the_model(tmp_path, capsys):
+    save_tiny_model(tmp_path / "m", num_hidden_layers=4)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"model: {tmp_path / 'm'}\nprefill: {{pipeline_parallel_size: 2, pipeline_layer_split: [1, 2]}}\n")
+    assert main(["validate", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "prefill.pipeline_layer_split: [1, 2] sums to 3 layers; the model has 4" in err, err
+    spec.write_text(f"model: {tmp_path / 'm'}\nmode: colocated\ncolocated: {{pipeline_parallel_size: 5}}\n")
+    assert main(["validate", str(spec)]) == 1
+    assert "colocated.pipeline_parallel_size: 5 stages for a model of 4 layers" in capsys.readouterr().err
+    spec.write_text(f"model: {tmp_path / 'm'}\nprefill: {{pipeline_parallel_size: 2, pipeline_layer_split: [1, 3]}}\n")
+    assert main(["validate", str(spec)]) == 0
+
+
+def test_the_launcher_checks_the_split_with_every_problem_named(tmp_path):
+    """What `serve` runs before Ray starts (check_fits_model over the launcher's StageConfigs)."""
+    from cluster.spec_tp import check_fits_model
+    from engine.weights import read_config
+
+    save_tiny_model(tmp_path / "m", num_hidden_layers=4)
+    cfg = split_spec(Spec.model_validate({"prefill": {"pipeline_parallel_size": 1, "pipeline_layer_split": [3],
+                                                      "tensor_parallel_size": 3}}))
+    with pytest.raises(SpecError) as e:
+        check_fits_model(cfg.stages, read_config(tmp_path / "m"))
+    assert e.value.problems[0].startswith("prefill.tensor_parallel_size: 3")
+    assert e.value.problems[1] == "prefill.pipeline_layer_split: [3] sums to 3 layers; the model has 4"
