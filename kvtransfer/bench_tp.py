@@ -44,10 +44,11 @@ MAX_CHUNK = 4 << 20  # SenderConfig.max_chunk_bytes (its default)
 
 
 def rank_caches(layout: KVLayout, num_blocks: int, fill: bool = False) -> list[list[torch.Tensor]]:
+    """rank -> local layer -> cache: each rank its layers (all of them below pipeline parallelism) and heads."""
     out = []
-    for rank in range(layout.tp_size):
-        spec = KVCacheSpec(layout.num_layers, len(layout.heads_of(rank)), layout.head_dim, layout.block_size,
-                           layout.dtype)
+    for rank in range(layout.num_ranks):
+        spec = KVCacheSpec(len(layout.layers_of(rank)), len(layout.heads_of(rank)), layout.head_dim,
+                           layout.block_size, layout.dtype)
         kv = allocate_kv_cache(spec, num_blocks)
         if fill:
             for layer in kv:
@@ -108,7 +109,7 @@ def copy_costs(num_tokens: int, reps: int) -> list[tuple[str, int, float]]:
 
 
 # ---- 2. transfers ---------------------------------------------------------------
-def _receiver_main(conn, transport: str, tp: int, num_blocks: int) -> None:
+def receiver_main(conn, transport: str, tp: int, num_blocks: int) -> None:
     from kvtransfer import KVReceiver
 
     layout = LAYOUTS[tp]
@@ -118,20 +119,22 @@ def _receiver_main(conn, transport: str, tp: int, num_blocks: int) -> None:
 
 
 class Pair:
-    """A KVSender (prefill TP=a, its ranks' caches here) and a KVReceiver (decode TP=b) in another process."""
+    """A KVSender (prefill layout `src`, its ranks' caches `src_kv` here) and a KVReceiver (decode TP=b) in
+    another process."""
 
-    def __init__(self, transport: str, a: int, b: int, num_blocks: int, sources: dict):
+    def __init__(self, transport: str, src: KVLayout, b: int, num_blocks: int, src_kv: list[list[torch.Tensor]]):
         from kvtransfer import KVSender
 
-        self.src_kv = sources[a]
+        self.src_kv = src_kv
         self.src_pool = BlockPool(num_blocks)
         config = SenderConfig(SECRET, deadline_s=120, max_chunk_bytes=MAX_CHUNK)
-        self.sender = KVSender(FINGERPRINT, config, layout=LAYOUTS[a])
+        self.sender = KVSender(FINGERPRINT, config, layout=src)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, transport, b, num_blocks), daemon=True)
+        self.proc = ctx.Process(target=receiver_main, args=(child, transport, b, num_blocks), daemon=True)
         self.proc.start()
-        self.sender.connect(self.conn.recv())
+        self.endpoint = self.conn.recv()
+        self.sender.connect(self.endpoint)
         self._count = 0
 
     def transfer(self, tokens: int) -> float:
@@ -217,7 +220,7 @@ def main(argv=None) -> None:
     for what, nbytes, sec in copies:
         print(f"{what}: {nbytes / sec / 1e9:.2f} GB/s")
     sources = {tp: rank_caches(LAYOUTS[tp], num_blocks, fill=True) for tp in (1, 2)}
-    pairs = {(t, a, b): Pair(t, a, b, num_blocks, sources) for t in transports for a, b in PAIRS}
+    pairs = {(t, a, b): Pair(t, LAYOUTS[a], b, num_blocks, sources[a]) for t in transports for a, b in PAIRS}
     for pair in pairs.values():
         pair.transfer(max(sizes))  # warm-up: connections, and every receiver block written once
     seconds, ratios = {}, {}
