@@ -8,6 +8,7 @@ fingerprint without the pipeline fields is one stage."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -87,47 +88,54 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("transport", ["grpc", "nccl"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_every_byte_lands_at_its_global_layer(name, transport):
-    (pp, tp, split), dst_tp = CASES[name]
-    src, dst = layout(tp, pp, split), layout(dst_tp)
-    src_caches, dst_caches = encoded_caches(src), decode_caches(dst)
+@contextmanager
+def pair(src: KVLayout, dst: KVLayout, transport: str):
+    """A sender of `src`'s encoded caches and a receiver of `dst` (its caches zero); both closed after, every
+    block free."""
+    dst_caches = decode_caches(dst)
     pool = BlockPool(NUM_BLOCKS)
     rx = KVReceiver(dst_caches, pool, {"architecture": "llama"}, ReceiverConfig(SECRET, transport), layout=dst)
     tx = KVSender({"architecture": "llama"}, SenderConfig(SECRET, max_chunk_bytes=4096), layout=src)
     try:
-        ticket = rx.reserve("r", NUM_TOKENS)
-        tx.start(ticket, src_caches, SRC_BLOCKS, NUM_TOKENS)
-        for layer in pipeline_hook_order(src):
-            tx.push_layer("r", layer)
-        tx.commit("r", 11)
-        results = wait_results(tx, rx, count=2)
-        assert [r.status for r in results] == ["DONE", "DONE"], [r.error for r in results]
-        check_landed(dst, dst_caches, ticket.block_ids)
-        pool.free(rx.release("r"))
+        yield tx, rx, dst_caches
     finally:
         tx.close()
         rx.close()
     assert pool.is_fully_free()
 
 
+def commit_and_check(tx, rx, dst: KVLayout, dst_caches, ticket) -> None:
+    tx.commit("r", 11)
+    results = wait_results(tx, rx, count=2)
+    assert [r.status for r in results] == ["DONE", "DONE"], [r.error for r in results]
+    check_landed(dst, dst_caches, ticket.block_ids)
+    rx.pool.free(rx.release("r"))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nccl"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_byte_lands_at_its_global_layer(name, transport):
+    (pp, tp, split), dst_tp = CASES[name]
+    src, dst = layout(tp, pp, split), layout(dst_tp)
+    with pair(src, dst, transport) as (tx, rx, dst_caches):
+        ticket = rx.reserve("r", NUM_TOKENS)
+        tx.start(ticket, encoded_caches(src), SRC_BLOCKS, NUM_TOKENS)
+        for layer in pipeline_hook_order(src):
+            tx.push_layer("r", layer)
+        commit_and_check(tx, rx, dst, dst_caches, ticket)
+
+
 def test_a_pipeline_ranks_layers_leave_at_its_own_hooks():
     """PP=2 split [1, 3] at TP=1: rank 0's layer 0 lands while rank 1 has not reached a layer yet, and each of
     rank 1's layers as its hook fires, before the commit."""
     src, dst = layout(1, 2, [1, 3]), layout(1)
-    src_caches, dst_caches = encoded_caches(src), decode_caches(dst)
-    pool = BlockPool(NUM_BLOCKS)
-    rx = KVReceiver(dst_caches, pool, {}, ReceiverConfig(SECRET, "local"), layout=dst)
-    tx = KVSender({}, SenderConfig(SECRET), layout=src)
+    with pair(src, dst, "local") as (tx, rx, dst_caches):
+        def landed() -> list[int]:
+            time.sleep(0.3)  # the sender's worker thread moves what was queued
+            return [layer for layer in range(NUM_LAYERS) if dst_caches[0][layer][ticket.block_ids[0]].any()]
 
-    def landed() -> list[int]:
-        time.sleep(0.3)  # the sender's worker thread moves what was queued
-        return [layer for layer in range(NUM_LAYERS) if dst_caches[0][layer][ticket.block_ids[0]].any()]
-
-    try:
         ticket = rx.reserve("r", NUM_TOKENS)
-        tx.start(ticket, src_caches, SRC_BLOCKS, NUM_TOKENS)
+        tx.start(ticket, encoded_caches(src), SRC_BLOCKS, NUM_TOKENS)
         tx.push_layer("r", 0)
         assert landed() == [0]
         tx.push_layer("r", 1)
@@ -135,14 +143,7 @@ def test_a_pipeline_ranks_layers_leave_at_its_own_hooks():
         assert landed() == [0, 1, 2]
         tx.push_layer("r", 3)
         assert landed() == [0, 1, 2, 3]
-        tx.commit("r", 5)
-        assert [r.status for r in wait_results(tx, rx, count=2)] == ["DONE", "DONE"]
-        check_landed(dst, dst_caches, ticket.block_ids)
-        pool.free(rx.release("r"))
-    finally:
-        tx.close()
-        rx.close()
-    assert pool.is_fully_free()
+        commit_and_check(tx, rx, dst, dst_caches, ticket)
 
 
 # ---- the plan --------------------------------------------------------------------------------------------
