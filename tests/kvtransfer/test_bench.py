@@ -33,3 +33,15 @@ def test_tp_section_reads_the_target_against_the_homogeneous_pair_of_the_same_ru
     assert "| gather, whole blocks (contiguous slabs) | 4.00 | 1.000 | 4.00 |" in text
     assert "| nccl | 4096 | 125.8 | 2 -> 1 | 90.0 | 1.40 | 89% | 89–89% |" in text
     assert "**not met**: worst pair 73%" in text  # 1 -> 2 at 80 / 110
+
+
+def test_pp_section_gives_each_prefill_rank_its_time_to_landed():
+    from kvtransfer import bench_pp
+
+    results = {("grpc", 1024, (1, 1), 1): ([0.004], [0.004], 0.005),
+               ("grpc", 1024, (2, 2), 1): ([0.003, 0.004, 0.006, 0.007], [-0.010, -0.009, 0.006, 0.007], 0.008)}
+    text = bench_pp.section(SimpleNamespace(reps=3, layer_ms=1.0), results, "python -m kvtransfer.bench_pp")
+    assert text.startswith("## Pipeline-parallel KV hand-off\n")
+    assert "| grpc | 1024 | 31.5 | TP=1 -> TP=1 | 4.0 | +4.0 | 5.0 |" in text
+    assert "| grpc | 1024 | 31.5 | PP=2 x TP=2 -> TP=1 | 3.0 / 4.0 / 6.0 / 7.0 | -10.0 / -9.0 / +6.0 / +7.0 | 8.0 |" \
+        in text
