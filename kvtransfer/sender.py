@@ -25,6 +25,14 @@ acknowledged every chunk and the commit; the receiver is one per decode
 replica and acknowledges for all of its ranks, so DONE (and freeing the
 source blocks on every prefill rank) means every decode rank has its heads.
 
+Pipeline parallelism: the replica's ranks are pp_size x tp_size, rank r's
+cache a LOCAL list of the global layers ``layout.layers_of(r)``. The sender
+indexes every rank's cache by global layer id (``KVLayout.global_layers``),
+so a chunk, which names a global layer, reads the buffer of that layer on
+the rank that holds it; nothing pairs by list position. ``push_layer`` takes
+global layer ids, whichever pipeline rank wrote them: each rank's layers
+leave as their hooks fire, not at the end of the forward pass.
+
 One ``config.SenderConfig`` sets the deadline, timeouts, chunk size and
 checksum, and each transport's link options; every link gets it whole from
 ``transports.connect`` and reads its own part.
