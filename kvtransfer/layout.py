@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtransfer.reshard import TransferPlan, check_plan, plan_transfer
+from kvtransfer.reshard import TransferPlan, check_plan, layer_span, plan_transfer
 from kvtransfer.types import PlanError
 
 LAYOUT_FIELDS = ("tp_size", "kv_heads", "pp_size", "kv_layers")  # may differ between a sender and a receiver
@@ -179,7 +179,7 @@ class KVLayout:
             held = self.layers_of(rank)
             if len(layers) != len(held):
                 raise ValueError(f"kv_caches: rank {rank} has {len(layers)} layers, expected {len(held)}"
-                                 + (f" (layers {_span(held)})" if len(held) != self.num_layers else ""))
+                                 + (f" ({layer_span(held)})" if len(held) != self.num_layers else ""))
             want = (2, self.block_size, len(self.heads_of(rank)), self.head_dim)
             for i, kv in enumerate(layers):
                 if tuple(kv.shape[1:]) != want or kv.element_size() != _ITEMSIZE[self.dtype]:
@@ -198,10 +198,6 @@ class KVLayout:
 def _ranges(text: str) -> tuple[range, ...]:
     """``"0-2,2-4"`` -> (range(0, 2), range(2, 4))."""
     return tuple(range(int(a), int(b)) for a, b in (p.split("-") for p in text.split(",")))
-
-
-def _span(r: range) -> str:
-    return f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}"
 
 
 def with_layout(fingerprint: dict[str, str], layout: KVLayout) -> dict[str, str]:

@@ -107,30 +107,32 @@ def plan_transfer(num_layers: int, src_heads: Sequence[range], dst_heads: Sequen
                 units[i] = PlanUnit(range(u.layers.start, layer + 1), u.heads, u.src, u.dsts)
             else:
                 i = len(units)
-                units.append(PlanUnit(range(layer, layer + 1), heads, Placement(src, heads.start - src_heads[src].start),
+                units.append(PlanUnit(range(layer, layer + 1), heads,
+                                      Placement(src, heads.start - src_heads[src].start),
                                       tuple(Placement(d, heads.start - dst_heads[d].start) for d in dsts)))
             still_open[(heads, src, dsts)] = i
         open_units = still_open
     return TransferPlan(num_layers, num_heads, src_heads, dst_heads, tuple(units), src_layers, src_tp)
 
 
-def check_layers(num_layers: int, src_layers: Sequence[range], tp: int) -> None:
+def checklayer_span(num_layers: int, src_layers: Sequence[range], tp: int) -> None:
     """Raise PlanError unless the prefill ranks of each tensor-parallel rank (ranks t, t + tp, t + 2 tp, ...:
     one per pipeline stage) hold every global layer exactly once, naming the layers no rank holds or the layers
     two ranks hold."""
     tp = tp or len(src_layers)
     for r, layers in enumerate(src_layers):
         if layers.start < 0 or layers.stop > num_layers:
-            raise PlanError(f"prefill layout: rank {r} holds {_layers(layers)}, outside the model's "
+            raise PlanError(f"prefill layout: rank {r} holds {layer_span(layers)}, outside the model's "
                             f"{num_layers} (0-{num_layers - 1})")
     for column in range(tp):
         ranks = list(range(column, len(src_layers), tp))
         holders = [[r for r in ranks if layer in src_layers[r]] for layer in range(num_layers)]
+        among = f" of ranks {_and(ranks)} (tp rank {column}'s heads)" if tp > 1 else ""
         for layer_run, held_by in _runs(holders):
             if not held_by:
-                raise PlanError(f"prefill layout: {_layers(layer_run)} {_is(layer_run)} held by no rank")
+                raise PlanError(f"prefill layout: {layer_span(layer_run)} {_is(layer_run)} held by no rank{among}")
             if len(held_by) > 1:
-                raise PlanError(f"prefill layout: {_layers(layer_run)} {_is(layer_run)} held by ranks "
+                raise PlanError(f"prefill layout: {layer_span(layer_run)} {_is(layer_run)} held by ranks "
                                 f"{_and(held_by)}")
 
 
@@ -145,7 +147,8 @@ def _runs(values: list) -> list[tuple[range, object]]:
     return out
 
 
-def _layers(r: range) -> str:
+def layer_span(r: range) -> str:
+    """``layer 3`` or ``layers 2-3`` (both ends included): for messages."""
     return f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"
 
 
@@ -162,7 +165,7 @@ def check_plan(plan: TransferPlan) -> None:
         if len(plan.src_layers) != len(plan.src_heads):
             raise PlanError(f"prefill layout: layers for {len(plan.src_layers)} ranks, heads for "
                             f"{len(plan.src_heads)}")
-        check_layers(L, plan.src_layers, plan.src_tp)
+        checklayer_span(L, plan.src_layers, plan.src_tp)
     for head in range(plan.num_kv_heads):
         if not _holder(plan.dst_heads, head):
             raise PlanError(f"kv-head {head} is held by no decode rank")
@@ -175,8 +178,8 @@ def check_plan(plan: TransferPlan) -> None:
         _check_placement("prefill", plan.src_heads, u.src, u.heads)
         held = plan.layers_of(u.src.rank)
         if u.layers.start < held.start or u.layers.stop > held.stop:
-            raise PlanError(f"plan reads {_layers(u.layers)} from prefill rank {u.src.rank}, which holds "
-                            f"{_layers(held)}")
+            raise PlanError(f"plan reads {layer_span(u.layers)} from prefill rank {u.src.rank}, which holds "
+                            f"{layer_span(held)}")
         for d in u.dsts:
             _check_placement("decode", plan.dst_heads, d, u.heads)
     # written[rank][layer][local head]: the prefill ranks that write it

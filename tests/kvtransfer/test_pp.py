@@ -170,7 +170,7 @@ def test_a_gap_or_an_overlap_is_named(rank_layers, error):
 def test_the_layers_are_checked_per_tensor_parallel_rank():
     """PP=2 x TP=2: ranks 0 and 2 hold tp rank 0's heads; ranks 1 and 3 tp rank 1's. Rank 3 misses layer 3."""
     bad = (range(0, 2), range(0, 2), range(2, 4), range(2, 3))
-    with pytest.raises(PlanError, match="layer 3 is held by no rank"):
+    with pytest.raises(PlanError, match="layer 3 is held by no rank of ranks 1 and 3 \\(tp rank 1.s heads\\)"):
         layout(2, 2, rank_layers=bad).plan_to(layout(2))
 
 
