@@ -252,3 +252,21 @@ def test_the_receiver_refuses_a_gap_or_an_overlap_before_bytes_move(rank_layers,
         tx.close()
         rx.close()
     assert pool.is_fully_free()
+
+
+def test_engine_kv_reads_the_groups_rank_layers_when_it_has_them():
+    """The stage wiring's contract with a pipeline-parallel engine: `rank_layers()` (per rank, its global
+    layers) and `rank_kv_caches()` (per rank, its LOCAL list) make the layout the sender plans from."""
+    from kvtransfer.layout import engine_kv
+
+    src = layout(1, 2, [1, 3])
+    caches = encoded_caches(src)
+    group = SimpleNamespace(rank_layers=lambda: [range(0, 1), range(1, 4)], rank_kv_caches=lambda: caches)
+    core = SimpleNamespace(config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2,
+                                                  pipeline_layer_split=(1, 3)),
+                           tp_group=group, kv_caches=caches[0],
+                           model_config=SimpleNamespace(num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS),
+                           kv_spec=SimpleNamespace(head_dim=HEAD_DIM, block_size=BLOCK))
+    got, got_caches = engine_kv(core)
+    assert got == src and got_caches is caches
+    got.check_caches(got_caches)
