@@ -135,7 +135,7 @@ class PrefillStage(StageLoop):
         job.ticket = ticket
         if job.first_token is not None:  # computed already: send it whole now
             self._start_send(job)
-            for layer in range(len(self.core.kv_caches)):
+            for layer in range(self.sender.layout.num_layers):  # every global layer (PP: not only rank 0's)
                 self.sender.push_layer(request_id, layer)
             with phase(KV_COMMIT):
                 self.sender.commit(request_id, job.first_token)
