@@ -1,0 +1,102 @@
+"""n > 1 across the seam with one transfer: choice 0 is prefilled on the
+prefill replica and its KV sent once; choices j > 0 are `Submit`s with
+``fork_of`` on the decode replica, which fork there from choice 0's prompt
+once it is admitted (the full blocks shared, the last partial block and the
+first token their own). Their tokens equal the offline engine's n choices,
+greedy and seeded; the prefill replica computed the prompt once and sent its
+blocks once; a fork whose sibling's KV never comes computes the prompt on the
+decode replica; every pool is free after."""
+from __future__ import annotations
+
+import pytest
+
+from decode.stage import DecodeStage
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from engine.serving.frames import Abort, Attach, FirstToken, Prefill, PrefillDone, Reserve, Submit, TicketReady
+from engine.serving.types import FinishReason
+from kvtransfer.config import ReceiverConfig, SenderConfig
+from prefill.stage import PrefillStage
+from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
+from tests.stages.harness import Driver, wait_free
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model_with_tokenizer(d, default_model_dir)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+
+
+@pytest.fixture
+def stages(model_dir):
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    decode = DecodeStage("decode-0", str(model_dir), cfg, ReceiverConfig("s", "local", lease_s=10))
+    prefill = PrefillStage("prefill-0", str(model_dir), cfg, SenderConfig("s", lease_s=10, deadline_s=10))
+    yield Driver(prefill), Driver(decode)
+    prefill.close()
+    decode.close()
+
+
+def _forked(prefill: Driver, decode: Driver, rid: str, prompt: list[int], params: SamplingParams,
+            transfer: bool = True) -> list[list[int]]:
+    """The n choices as the frontend runs them on one (prefill, decode) pair: each choice's tokens."""
+    ids = [rid] + [f"{rid}-{j}" for j in range(1, params.n)]
+    decode.send(Reserve(rid, prompt, params.for_choice(0)))
+    for j, cid in enumerate(ids[1:], 1):
+        decode.send(Submit(cid, prompt, params.for_choice(j), fork_of=rid))
+    ticket = decode.next(rid)
+    assert isinstance(ticket, TicketReady), ticket
+    if not transfer:  # the sibling goes before its KV came
+        decode.send(Abort(rid))
+        assert decode.next(rid).finish_reason is FinishReason.ABORT
+        return [[t for d in decode.stream(cid) for t in d.token_ids] for cid in ids[1:]]
+    prefill.send(Prefill(rid, prompt, params.for_choice(0)))
+    prefill.send(Attach(rid, ticket.ticket))
+    first = prefill.next(rid)
+    assert isinstance(first, FirstToken), first
+    done = prefill.next(rid)
+    assert isinstance(done, PrefillDone) and done.ok, done
+    out = [first.delta.token_ids + [t for d in decode.stream(rid) for t in d.token_ids]]
+    return out + [[t for d in decode.stream(cid) for t in d.token_ids] for cid in ids[1:]]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, n=3),
+                                    SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True, n=3)],
+                         ids=["greedy", "seeded"])
+def test_choices_fork_on_the_decode_replica_from_one_transfer(reference, stages, params):
+    prefill, decode = stages
+    (prompt,) = random_prompts(1, 96, [2 * BLOCK + 5], seed=7)  # 2 full blocks shared, 5 tokens each fork's own
+    computed = prefill.stage.core.num_prompt_tokens_computed, decode.stage.core.num_prompt_tokens_computed
+    sent = prefill.stage.num_kv_bytes_sent
+    got = _forked(prefill, decode, "r", prompt, params)
+    assert got == [o.token_ids for o in reference.generate([prompt], params)]
+    if params.is_greedy:
+        assert len({tuple(t) for t in got}) == 1
+    else:
+        assert len({tuple(t) for t in got}) == 3
+    # the prompt computed once, on the prefill replica; each fork computed only its 5-token tail
+    assert prefill.stage.core.num_prompt_tokens_computed - computed[0] == len(prompt)
+    assert decode.stage.core.num_prompt_tokens_computed - computed[1] == 2 * 5
+    # its blocks sent once
+    assert prefill.stage.num_kv_bytes_sent - sent == 3 * prefill.stage.core.kv_spec.bytes_per_block
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_forks_whose_sibling_never_gets_its_kv_compute_the_prompt_on_the_decode_replica(reference, stages):
+    prefill, decode = stages
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=3)
+    (prompt,) = random_prompts(1, 96, [40], seed=8)
+    before = decode.stage.core.num_prompt_tokens_computed
+    got = _forked(prefill, decode, "r", prompt, params, transfer=False)
+    assert got == [reference.generate([prompt], params)[0].token_ids] * 2
+    assert len(prompt) <= decode.stage.core.num_prompt_tokens_computed - before < 2 * len(prompt)  # once, forked
+    assert wait_free(prefill.stage, decode.stage)
