@@ -10,40 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from decode.stage import DecodeStage
-from engine.config import EngineConfig
-from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.serving.frames import Abort, Attach, FirstToken, Prefill, PrefillDone, Reserve, Submit, TicketReady
 from engine.serving.types import FinishReason
-from kvtransfer.config import ReceiverConfig, SenderConfig
-from prefill.stage import PrefillStage
-from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
+from tests.engine.factories import random_prompts
 from tests.stages.harness import Driver, wait_free
+from tests.stages.test_stages import model_dir, reference, stages  # noqa: F401  (the tiny model's stages)
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir):
-    d = tmp_path_factory.mktemp("tiny")
-    save_tiny_model_with_tokenizer(d, default_model_dir)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
-
-
-@pytest.fixture
-def stages(model_dir):
-    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
-    decode = DecodeStage("decode-0", str(model_dir), cfg, ReceiverConfig("s", "local", lease_s=10))
-    prefill = PrefillStage("prefill-0", str(model_dir), cfg, SenderConfig("s", lease_s=10, deadline_s=10))
-    yield Driver(prefill), Driver(decode)
-    prefill.close()
-    decode.close()
 
 
 def _forked(prefill: Driver, decode: Driver, rid: str, prompt: list[int], params: SamplingParams,
