@@ -33,7 +33,16 @@ prompt's full blocks, reference-counted, computes only the prompt's last
 partial block into a block of its own (as a colocated fork does, so the
 same seed draws the same tokens), and samples its own first token. A fork
 whose sibling ended here without its KV (transfer failed, aborted) computes
-the whole prompt here instead.
+the whole prompt here instead (once: the others fork from it).
+
+Why the decode side samples each fork's first token rather than the
+prefill replica sampling n of them from the one set of logits: a fork's
+first draw is then the same computation as a colocated fork's (its own
+last partial block, then the draw for output position 0 from its own seed,
+`engine.sampler`), so seeded choices equal a colocated cluster's and stay a
+function of (seed, position), which migration relies on; and the transfer
+keeps one first token per commit. It costs each fork at most one block of
+prompt tokens, computed here.
 """
 from __future__ import annotations
 
