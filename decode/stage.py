@@ -175,7 +175,11 @@ class DecodeStage(StageLoop):
             self.receiver.abort(request_id)  # frees the reserved blocks; the next poll() reaps it
         self._waiting = deque(w for w in self._waiting if w[0].request_id != request_id)
         for sibling, forks in list(self._forks.items()):
-            self._forks[sibling] = [f for f in forks if f.request_id != request_id]
+            kept = [f for f in forks if f.request_id != request_id]
+            if kept:
+                self._forks[sibling] = kept
+            else:
+                del self._forks[sibling]
         if request_id in self._forks:  # its KV will not come: its forks compute the prompt here
             self._start_forks(request_id, None)
         super()._release(request_id)

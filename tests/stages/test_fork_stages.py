@@ -74,3 +74,22 @@ def test_forks_whose_sibling_never_gets_its_kv_compute_the_prompt_on_the_decode_
     assert got == [reference.generate([prompt], params)[0].token_ids] * 2
     assert len(prompt) <= decode.stage.core.num_prompt_tokens_computed - before < 2 * len(prompt)  # once, forked
     assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_fork_aborted_while_its_sibling_waits_for_the_kv_leaves_the_sibling_whole(reference, stages):
+    prefill, decode = stages
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    (prompt,) = random_prompts(1, 96, [21], seed=9)
+    decode.send(Reserve("r", prompt, params.for_choice(0)))
+    decode.send(Submit("r-1", prompt, params.for_choice(1), fork_of="r"))
+    ticket = decode.next("r")
+    decode.send(Abort("r-1"))
+    assert decode.next("r-1").finish_reason is FinishReason.ABORT
+    prefill.send(Prefill("r", prompt, params.for_choice(0)))
+    prefill.send(Attach("r", ticket.ticket))
+    first = prefill.next("r")
+    assert prefill.next("r").ok
+    got = first.delta.token_ids + [t for d in decode.stream("r") for t in d.token_ids]
+    assert got == reference.generate([prompt], params.for_choice(0))[0].token_ids
+    assert wait_free(prefill.stage, decode.stage)
+    assert decode.stage.load().num_running_seqs == 0 and decode.stage.load().num_waiting_seqs == 0
