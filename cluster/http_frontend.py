@@ -5,7 +5,7 @@ Endpoints:
     POST /v1/completions        prompt: a string, token ids, or a list of either (a choice each)
     POST /v1/chat/completions   messages through the model's chat template, with tools (cluster.tools)
     GET  /v1/models, /v1/models/{id}
-    POST /v1/responses          OpenAI's Responses API, text (`cluster.openai_responses`)
+    POST /v1/responses          OpenAI's Responses API, text and function calls (`cluster.http_responses`)
     POST /tokenize, /detokenize as vLLM serves them (`cluster.openai_tokenize`)
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
