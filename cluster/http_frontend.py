@@ -5,7 +5,7 @@ Endpoints:
     POST /v1/completions        prompt: a string, token ids, or a list of either (a choice each)
     POST /v1/chat/completions   messages through the model's chat template, with tools (cluster.tools)
     GET  /v1/models, /v1/models/{id}
-    POST /v1/responses          OpenAI's Responses API, text (`cluster.openai_responses`)
+    POST /v1/responses          OpenAI's Responses API, text and function calls (`cluster.http_responses`)
     POST /tokenize, /detokenize as vLLM serves them (`cluster.openai_tokenize`)
     GET  /health                200 when every stage has a live replica, else 503 (no key needed;
                                 the same rule as gRPC health, `cluster.health`)
@@ -52,16 +52,16 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from cluster import errors
 from cluster import health as health_check
+from cluster import http_responses
 from cluster import openai_protocol as oai
-from cluster import openai_responses as rsp
 from cluster import openai_tokenize as tok
 from cluster.backend import Backend
+from cluster.http_replies import error, failed, failure_body, gather, invalid, raised
 from cluster.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.serving import INCOMPLETE_STREAM, ApiKeys, run_request
 from cluster.spec import FrontendConfig
@@ -71,66 +71,6 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20  # a long prompt sent as token ids
 STATUS_TIMEOUT_S = health_check.STATUS_TIMEOUT_S  # /health and /metrics wait this long for backend.status()
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-           headers: dict | None = None) -> web.Response:
-    return web.json_response(oai.error_body(message, type_, param, code), status=status, headers=headers)
-
-
-def _invalid(e: InvalidRequestError) -> web.Response:
-    if e.field == "model":
-        return _error(404, errors.clip(str(e)), "invalid_request_error", "model", "model_not_found")
-    return _error(400, errors.clip(str(e)), "invalid_request_error", errors.clip(e.field, 128))
-
-
-def _failure_body(failure: errors.Failure) -> dict:
-    return oai.error_body(failure.message, failure.code.openai_type, failure.field,
-                          failure.openai_code or failure.code.openai_code)
-
-
-def _failed(failure: errors.Failure) -> web.Response:
-    """A request refused, or failed inside the cluster, before its response started."""
-    if failure.code is errors.Code.INVALID_ARGUMENT:
-        return _error(400, failure.message, failure.code.openai_type, failure.field)
-    headers = {"Retry-After": "1"} if failure.is_retryable else None
-    return web.json_response(_failure_body(failure), status=failure.code.http_status, headers=headers)
-
-
-def _raised(req: GenerateRequest, e: Exception) -> errors.Failure:
-    """The failure an exception from the backend stands for; a failure inside the cluster is logged."""
-    failure = errors.classify(e)
-    if failure.is_unexpected:
-        log.error("request %s failed", req.request_id, exc_info=e)
-    return failure
-
-
-@dataclass
-class _Whole:
-    """A request's deltas gathered for a non-streaming answer."""
-
-    text: str
-    logprobs: list
-    num_tokens: int
-    last: GenerateDelta  # the finishing delta (reason, cached tokens, timeline)
-
-
-async def _gather(req: GenerateRequest, first: GenerateDelta,
-                  deltas: AsyncIterator[GenerateDelta]) -> _Whole | web.Response:
-    """Every delta from ``first`` to the finishing one; a failure on the way as the response to send."""
-    parts, lps, num_tokens, delta = [], [], 0, first
-    while True:
-        if delta.finish_reason is FinishReason.ERROR:
-            return _failed(errors.request_failed(delta.error))
-        parts.append(delta.text)
-        lps.extend(delta.logprobs or ())
-        num_tokens += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            return _Whole("".join(parts), lps, num_tokens, delta)
-        try:
-            delta = await anext(deltas)
-        except Exception as e:
-            return _failed(_raised(req, e))
 
 
 def _with_timeline(body: dict, req: GenerateRequest, delta: GenerateDelta) -> dict:
@@ -147,10 +87,10 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _error(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
+        return error(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
     except Exception as e:  # a bug here: the client gets a 500 in OpenAI's shape, the log the trace
         log.exception("%s %s failed", request.method, request.path)
-        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+        return error(500, f"internal error: {type(e).__name__}", "server_error")
 
 
 class HttpFrontend:
@@ -237,7 +177,7 @@ class HttpFrontend:
                    ) -> web.StreamResponse:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             self.metrics.count_rejected("http", "unauthenticated")
-            return _error(401, problem, "authentication_error", code="invalid_api_key")
+            return error(401, problem, "authentication_error", code="invalid_api_key")
         response_id = responses.id_prefix + uuid.uuid4().hex
         try:
             body = oai.parse_body(responses.body_type, await request.read())
@@ -246,7 +186,7 @@ class HttpFrontend:
             choices = oai.to_choices(body, self.backend, response_id, tools)
         except InvalidRequestError as e:
             self.metrics.count_rejected("http", "invalid_request")
-            return _invalid(e)
+            return invalid(e)
         if len(choices) > 1 or choices[0].echo_text:
             return await self._run_choices(request, responses, body, response_id, choices, tools)
         req = choices[0].request
@@ -258,11 +198,11 @@ class HttpFrontend:
             try:
                 first = await anext(deltas)
             except InvalidRequestError as e:
-                return _invalid(e)
+                return invalid(e)
             except Exception as e:  # the backend's refusals, and failures inside the cluster
-                return _failed(_raised(req, e))
+                return failed(raised(req, e))
             if first.finish_reason is FinishReason.ERROR:
-                return _failed(errors.request_failed(first.error))
+                return failed(errors.request_failed(first.error))
             if body.stream:
                 return await self._stream(request, req, out, first, deltas)
             return await self._collect(req, out, first, deltas)
@@ -270,7 +210,7 @@ class HttpFrontend:
     @staticmethod
     async def _collect(req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
                        first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
-        whole = await _gather(req, first, deltas)
+        whole = await gather(req, first, deltas)
         if isinstance(whole, web.Response):
             return whole
         delta = whole.last
@@ -292,7 +232,7 @@ class HttpFrontend:
         try:
             while True:
                 if delta.finish_reason is FinishReason.ERROR:
-                    await send(_failure_body(errors.request_failed(delta.error)))
+                    await send(failure_body(errors.request_failed(delta.error)))
                     break
                 num_tokens += len(delta.token_ids)
                 if delta.text or delta.logprobs or delta.finish_reason is not None or is_first:
@@ -307,7 +247,7 @@ class HttpFrontend:
                 try:
                     delta = await anext(deltas)
                 except Exception as e:
-                    await send(_failure_body(_raised(req, e)))
+                    await send(failure_body(raised(req, e)))
                     break
             await send("[DONE]")
             await response.write_eof()
@@ -331,11 +271,11 @@ class HttpFrontend:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
             for c, first in zip(choices, firsts):
                 if isinstance(first, InvalidRequestError):
-                    return _invalid(first)
+                    return invalid(first)
                 if isinstance(first, BaseException):
-                    return _failed(_raised(c.request, first))
+                    return failed(raised(c.request, first))
                 if first.finish_reason is FinishReason.ERROR:
-                    return _failed(errors.request_failed(first.error))
+                    return failed(errors.request_failed(first.error))
             deltas = _merged(streams, firsts)
             try:
                 if body.stream:
@@ -346,47 +286,21 @@ class HttpFrontend:
 
     # ---- the Responses API ------------------------------------------------------------
     async def _run_response(self, request: web.Request) -> web.StreamResponse:
-        if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
-            self.metrics.count_rejected("http", "unauthenticated")
-            return _error(401, problem, "authentication_error", code="invalid_api_key")
-        try:
-            body = oai.parse_body(rsp.ResponsesBody, await request.read())
-            req = rsp.to_generate_request(body, self.backend, "resp_" + uuid.uuid4().hex)
-        except InvalidRequestError as e:
-            self.metrics.count_rejected("http", "invalid_request")
-            return _invalid(e)
-        objects = rsp.ResponseObjects(body, req, self.backend.model_name)
-        running = run_request(self.backend, req, self.metrics.start_request("http", req))
-        async with contextlib.aclosing(running) as deltas:
-            try:
-                first = await anext(deltas)
-            except InvalidRequestError as e:
-                return _invalid(e)
-            except Exception as e:
-                return _failed(_raised(req, e))
-            if first.finish_reason is FinishReason.ERROR:
-                return _failed(errors.request_failed(first.error))
-            if body.stream:
-                return await _stream_response(request, req, objects, first, deltas)
-            whole = await _gather(req, first, deltas)
-            if isinstance(whole, web.Response):
-                return whole
-            return web.json_response(objects.response(whole.text, whole.last.finish_reason, whole.num_tokens,
-                                                      whole.last.num_cached_tokens))
+        return await http_responses.run_response(self, request)
 
     # ---- the rest --------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
-            return _error(401, problem, "authentication_error", code="invalid_api_key")
+            return error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
         return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
     async def model(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
-            return _error(401, problem, "authentication_error", code="invalid_api_key")
+            return error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
         if request.match_info["model"] != b.model_name:
-            return _error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
+            return error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
                                f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
         return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
@@ -398,11 +312,11 @@ class HttpFrontend:
 
     async def _tokenization(self, request: web.Request, body_type, handle) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
-            return _error(401, problem, "authentication_error", code="invalid_api_key")
+            return error(401, problem, "authentication_error", code="invalid_api_key")
         try:
             return web.json_response(handle(oai.parse_body(body_type, await request.read()), self.backend))
         except InvalidRequestError as e:
-            return _invalid(e)
+            return invalid(e)
 
     async def health(self, request: web.Request) -> web.Response:
         reason = await health_check.check(self.backend, STATUS_TIMEOUT_S)
@@ -465,16 +379,16 @@ async def _collect_choices(choices: list[oai.Choice], outs: list, deltas) -> web
     reasons: list[FinishReason | None] = [None] * len(choices)
     async for i, delta in deltas:
         if isinstance(delta, BaseException):
-            return _failed(_raised(choices[i].request, delta))
+            return failed(raised(choices[i].request, delta))
         if delta.finish_reason is FinishReason.ERROR:
-            return _failed(errors.request_failed(delta.error))
+            return failed(errors.request_failed(delta.error))
         parts[i].append(delta.text)
         lps[i].extend(delta.logprobs or ())
         num_tokens[i] += len(delta.token_ids)
         if delta.finish_reason is not None:
             reasons[i], num_cached[i] = delta.finish_reason, delta.num_cached_tokens
     if None in reasons:
-        return _failed(errors.request_failed(INCOMPLETE_STREAM))
+        return failed(errors.request_failed(INCOMPLETE_STREAM))
     usage = _choices_usage(choices, num_tokens, num_cached)
     objects = [out.response("".join(p), reason, lp, usage) for out, p, reason, lp in zip(outs, parts, reasons, lps)]
     return web.json_response(dict(objects[0], choices=[o["choices"][0] for o in objects]))
@@ -494,10 +408,10 @@ async def _stream_choices(request: web.Request, choices: list[oai.Choice], outs:
     try:
         async for i, delta in deltas:
             if isinstance(delta, BaseException):
-                await send(_failure_body(_raised(choices[i].request, delta)))
+                await send(failure_body(raised(choices[i].request, delta)))
                 break
             if delta.finish_reason is FinishReason.ERROR:
-                await send(_failure_body(errors.request_failed(delta.error)))
+                await send(failure_body(errors.request_failed(delta.error)))
                 break
             num_tokens[i] += len(delta.token_ids)
             text = (choices[i].echo_text if is_first[i] else "") + delta.text
@@ -513,47 +427,4 @@ async def _stream_choices(request: web.Request, choices: list[oai.Choice], outs:
         await response.write_eof()
     except ConnectionError:  # the client went away; closing the streams aborts the requests
         log.info("client of request %s disconnected", outs[0].request_id)
-    return response
-
-
-async def _stream_response(request: web.Request, req: GenerateRequest, objects: rsp.ResponseObjects,
-                           first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
-    """The Responses API's events (``event: <type>`` and its ``data:``); a failure mid-stream is an ``error``
-    event, as OpenAI sends it."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(event: dict) -> None:
-        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
-                             .encode())
-
-    async def fail(failure: errors.Failure) -> None:
-        await send(objects.event("error", code=failure.openai_code or failure.code.openai_code,
-                                 message=failure.message, param=failure.field))
-
-    parts, num_tokens, delta = [], 0, first
-    try:
-        for event in objects.opening():
-            await send(event)
-        while True:
-            if delta.finish_reason is FinishReason.ERROR:
-                await fail(errors.request_failed(delta.error))
-                break
-            num_tokens += len(delta.token_ids)
-            if delta.text:
-                parts.append(delta.text)
-                await send(objects.delta(delta.text))
-            if delta.finish_reason is not None:
-                for event in objects.closing("".join(parts), delta.finish_reason, num_tokens,
-                                             delta.num_cached_tokens):
-                    await send(event)
-                break
-            try:
-                delta = await anext(deltas)
-            except Exception as e:
-                await fail(_raised(req, e))
-                break
-        await response.write_eof()
-    except ConnectionError:
-        log.info("client of request %s disconnected", req.request_id)
     return response

@@ -33,6 +33,8 @@ prefixed ``kvrelay_``; times in seconds):
     replica_up / replica_running_seqs / replica_queued_prefill_tokens /
     replica_in_flight_requests / replica_kv_usage_ratio /
     replica_kv_blocks / replica_restarts {stage, replica}       gauges
+    replica_prompt_tokens_computed_total,
+    replica_kv_sent_bytes_total {stage, replica}                counters
 
 Compatibility: the gauge ``replica_kv_blocks`` was ``replica_kv_blocks_total``
 before 0.2 (a gauge must not end in ``_total``, which Prometheus reserves for
@@ -86,6 +88,14 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
     ("replica_tensor_parallel_size", "Ranks of the replica (one process each)", lambda r: r.tensor_parallel_size),
 )
 
+_REPLICA_COUNTERS = (  # (name, help, value of a ReplicaStatus), since the replica (this incarnation) started
+    ("replica_prompt_tokens_computed", "Prompt tokens the replica ran through the model (prefix-cache hits, "
+     "forked blocks and KV that came by transfer are not computed; a recompute counts again)",
+     lambda r: r.num_prompt_tokens_computed),
+    ("replica_kv_sent_bytes", "KV cache bytes of the prefill replica's transfers that ended DONE",
+     lambda r: r.num_kv_bytes_sent),
+)
+
 
 class _StatusCollector:
     """Replica and router gauges from the last `ClusterStatus` (`ServingMetrics.refresh`).
@@ -113,6 +123,12 @@ class _StatusCollector:
                               "Tokens routed to each expert of a mixture of experts since the replica started, "
                               "summed over its sparse layers (a hot expert shows here)", "expert", status,
                               lambda r: r.expert_load)
+        for name, doc, value in _REPLICA_COUNTERS:
+            family = CounterMetricFamily(f"kvrelay_{name}", doc, labels=["model_name", "stage", "replica"])
+            for r in status.replicas:
+                if r.is_alive:
+                    family.add_metric([self.model_name, r.stage.value, r.replica_id], float(value(r)))
+            yield family
         waiting = GaugeMetricFamily("kvrelay_router_waiting_requests", "Requests in the router's admission queue",
                                     labels=["model_name"])
         waiting.add_metric([self.model_name], status.num_waiting)

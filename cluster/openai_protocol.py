@@ -105,11 +105,11 @@ class ChatBody(_GenerateBody):
 
 def chat_tools(body: ChatBody, backend: Backend, tool_format: str = "auto") -> tool_calls.ToolRequest | None:
     """The body's tools and tool_choice (`cluster.tools`); raises `InvalidRequestError` naming the field."""
-    return tool_calls.parse_tools(body.tools, body.tool_choice, _chat_template(backend.tokenizer), tool_format,
+    return tool_calls.parse_tools(body.tools, body.tool_choice, chat_template(backend.tokenizer), tool_format,
                                   body.parallel_tool_calls)
 
 
-def _chat_template(tokenizer: Tokenizer) -> str:
+def chat_template(tokenizer: Tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     return template if isinstance(template, str) else str(template)
 
@@ -223,7 +223,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         guided, guided_field = tools.guided(), "tools"
     if isinstance(body, ChatBody):
         messages, template_tools = tool_calls.chat_messages(_chat_messages(body.messages), tools,
-                                                            _chat_template(backend.tokenizer))
+                                                            chat_template(backend.tokenizer))
         token_ids = encode_chat(backend.tokenizer, messages, tools=template_tools)
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, max_tokens_field)

@@ -15,6 +15,14 @@ waiting for the KV transfer; the decode replica streams every later token
 (`Deltas`). Each token comes once, from one place, and is forwarded as it
 came. Colocated: the one replica does it all, from a `Submit`.
 
+n > 1 (the frontend's choices, `GenerateRequest.fork_of`): choice 0 runs as
+above; each later choice is placed beside it on its decode (or colocated)
+replica alone (`Router.place_beside`) and sent there as a `Submit` with
+``fork_of``, so the prompt is computed once, on the prefill replica, its KV
+moves once, and the choices fork from it on the decode replica
+(`decode.stage`), each sampling its own first token. A choice that migrates
+goes alone, as any request.
+
 Failures: a prefill that fails (or whose replica goes) fails the decode side
 at once, without waiting for the lease; a replica whose channel breaks or
 that Ray reports dead ends its requests with an error and is taken out of
@@ -169,7 +177,7 @@ class RayBackend:
     def _start_attempt(self, attempt: str, placement: Placement, prompt: list[int], params,
                        emitted: list[int], fork_of: str | None = None) -> asyncio.Queue:
         """Open the attempt's inbox and send its first commands (raises ChannelError). ``fork_of``: a sibling
-        choice's attempt on the same replicas, whose prompt blocks the colocated or prefill replica shares."""
+        choice's attempt on the same decode (or colocated) replica, whose prompt blocks this one shares there."""
         decode, prefill = placement.decode_replica, placement.prefill_replica
         inbox = self.channels.open(attempt, [decode] + ([prefill] if prefill else []))
         try:

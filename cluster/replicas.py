@@ -65,6 +65,9 @@ class _Health:
     silent_since: float | None = None  # monotonic time of the first unanswered poll
     rank_pids: tuple[int, ...] = ()  # the replica's ranks as of its last (re)connect, rank 0 first
     expert_load: tuple[int, ...] = ()  # its last load report's tokens per expert (a mixture of experts)
+    # its last load report's since-start counters
+    num_prompt_tokens_computed: int = 0
+    num_kv_bytes_sent: int = 0
 
 
 # respawn(replica_id, old_handle, restart_number) -> a new actor handle (the old one killed)
@@ -124,7 +127,8 @@ class Replicas:
         ranks = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids)
         if h.state is ReplicaState.SERVING:
             return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, expert_load=h.expert_load,
-                           **ranks)
+                           num_prompt_tokens_computed=h.num_prompt_tokens_computed,
+                           num_kv_bytes_sent=h.num_kv_bytes_sent, **ranks)
         return ReplicaStatus(s.replica_id, s.stage, False, num_in_flight=s.num_in_flight, state=h.state.value,
                              num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
 
@@ -164,6 +168,8 @@ class Replicas:
             return
         h.silent_since = None
         h.expert_load = tuple(getattr(load, "expert_load", ()))
+        h.num_prompt_tokens_computed = getattr(load, "num_prompt_tokens_computed", 0)
+        h.num_kv_bytes_sent = getattr(load, "num_kv_bytes_sent", 0)
         if not load.is_alive:
             self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return

@@ -329,15 +329,13 @@ class Router:
             timer.cancel()
 
     def place_beside(self, request: GenerateRequest, other: Placement) -> Placement | None:
-        """Place ``request`` on the replicas of ``other`` (a sibling choice of one request, which shares its
-        prompt there), past their capacity; None if one of them is no longer alive."""
-        chosen = {}
-        for rid in other.replica_ids:
-            r = self._replicas.get(rid)
-            if r is None or not r.is_alive:
-                return None
-            chosen[r.stage] = r
-        return self._take(_Routed(request), chosen)
+        """Place ``request``, a sibling choice of ``other``'s (n > 1), on ``other``'s decode (or colocated)
+        replica alone, past its capacity: it forks there from the sibling's prompt, whose KV comes once
+        (`decode.stage`). None if that replica is no longer alive."""
+        r = self._replicas.get(other.decode_replica)
+        if r is None or not r.is_alive:
+            return None
+        return self._take(_Routed(request), {r.stage: r})
 
     def release(self, placement: Placement) -> None:
         """Give back a placement's capacity. Releasing twice is an error."""
@@ -372,8 +370,9 @@ class Router:
             num_blocks = -(-n // self.config.block_size) if stage is not Stage.PREFILL else 0
             num_tokens = 0 if stage is Stage.DECODE else n - r.cached_prefix_blocks(hashes) * self.config.block_size
             r.pending.append(_Pending(num_tokens, num_blocks, hashes if stage is not Stage.DECODE else ()))
-        if Stage.COLOCATED in chosen:
-            placement = Placement(routed.request.request_id, chosen[Stage.COLOCATED].replica_id, None, next(self._seq))
+        if Stage.PREFILL not in chosen:  # colocated, or a fork on a decode replica
+            (r,) = chosen.values()
+            placement = Placement(routed.request.request_id, r.replica_id, None, next(self._seq))
         else:
             placement = Placement(routed.request.request_id, chosen[Stage.DECODE].replica_id,
                                   chosen[Stage.PREFILL].replica_id, next(self._seq))

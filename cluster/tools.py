@@ -103,21 +103,28 @@ def parse_tools(tools: Any, tool_choice: Any, chat_template: str, configured_for
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise InvalidRequestError(f"tools[{i}].function", "must be an object with a name")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise InvalidRequestError(f"tools[{i}].function.name", "must be 1-64 letters, digits, _ . or -")
-        if any(f.name == name for f in functions):
-            raise InvalidRequestError(f"tools[{i}].function.name", f"{name!r} is defined twice")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise InvalidRequestError(f"tools[{i}].function.parameters", "must be a JSON schema object")
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise InvalidRequestError(f"tools[{i}].function.description", "must be a string")
-        functions.append(Function(name, description, params))
+        functions.append(function_of(fn, f"tools[{i}].function", functions))
     choice, named = _choice(tool_choice, functions)
     return ToolRequest(tuple(functions), choice, tool_format(chat_template, configured_format), named,
                        parallel_tool_calls is not False)
+
+
+def function_of(fn: dict, where: str, defined: list[Function]) -> Function:
+    """A function definition's ``name``, ``description`` and ``parameters`` (the fields at ``where``) as a
+    `Function`; raises `InvalidRequestError` naming the field (a name already in ``defined`` too)."""
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidRequestError(f"{where}.name", "must be 1-64 letters, digits, _ . or -")
+    if any(f.name == name for f in defined):
+        raise InvalidRequestError(f"{where}.name", f"{name!r} is defined twice")
+    params = fn.get("parameters")
+    params = {"type": "object", "properties": {}} if params is None else params
+    if not isinstance(params, dict):
+        raise InvalidRequestError(f"{where}.parameters", "must be a JSON schema object")
+    description = fn.get("description") or ""
+    if not isinstance(description, str):
+        raise InvalidRequestError(f"{where}.description", "must be a string")
+    return Function(name, description, params)
 
 
 def _choice(tool_choice: Any, functions: list[Function]) -> tuple[str, str]:

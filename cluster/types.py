@@ -101,6 +101,8 @@ class ReplicaStatus:
     tensor_parallel_size: int = 1  # ranks of the replica (a tensor-parallel replica is one unit)
     rank_pids: tuple[int, ...] = ()  # each rank's process id on the replica's host, rank 0 first
     expert_load: tuple[int, ...] = ()  # a mixture of experts: tokens routed to each expert since start
+    num_prompt_tokens_computed: int = 0  # prompt positions the replica ran through the model since start
+    num_kv_bytes_sent: int = 0  # prefill: KV bytes of its transfers that ended DONE, since start
 
     @property
     def kv_usage(self) -> float:

@@ -24,6 +24,25 @@ Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
 
 `Submit` takes a whole request and prefills it here: that is the colocated
 mode (and conditional disaggregation for short prompts).
+
+A `Submit` with ``fork_of`` is choice j > 0 of a request with n > 1 whose
+choice 0 was reserved here: one prefill, one transfer, n sequences. The fork
+waits (``_forks``) until its sibling's KV has landed and is admitted, then
+joins the engine as a fork of it (`KVCacheManager.admit`): it shares the
+prompt's full blocks, reference-counted, computes only the prompt's last
+partial block into a block of its own (as a colocated fork does, so the
+same seed draws the same tokens), and samples its own first token. A fork
+whose sibling ended here without its KV (transfer failed, aborted) computes
+the whole prompt here instead (once: the others fork from it).
+
+Why the decode side samples each fork's first token rather than the
+prefill replica sampling n of them from the one set of logits: a fork's
+first draw is then the same computation as a colocated fork's (its own
+last partial block, then the draw for output position 0 from its own seed,
+`engine.sampler`), so seeded choices equal a colocated cluster's and stay a
+function of (seed, position), which migration relies on; and the transfer
+keeps one first token per commit. It costs each fork at most one block of
+prompt tokens, computed here.
 """
 from __future__ import annotations
 
@@ -61,6 +80,8 @@ class DecodeStage(StageLoop):
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
         # reservations waiting for free blocks, oldest first: (sequence, channel, deadline)
         self._waiting: deque[tuple[Sequence, object, float]] = deque()
+        # forks waiting for the sibling whose KV is coming: sibling's request id -> [fork, ...]
+        self._forks: dict[str, list[Sequence]] = {}
         super().__init__(replica_id, core, tokenizer)
 
     @property
@@ -78,11 +99,36 @@ class DecodeStage(StageLoop):
             seq = Sequence(frame.request_id, list(frame.prompt_token_ids), frame.params,
                            output_token_ids=list(frame.output_token_ids),
                            fork_of=self.core.get(frame.fork_of) if frame.fork_of else None)
-            self.core.add(seq)
+            if frame.fork_of and self._is_coming(frame.fork_of):
+                self.core.check_prompt(seq.token_ids, frame.params.max_tokens - seq.num_output_tokens)
+                self._forks.setdefault(frame.fork_of, []).append(seq)
+                return
+            self._add(seq)
         except Exception as e:
             self._refuse(ch, frame.request_id, e)
-            return
-        self.outputs.add(seq, frame.output_token_ids)
+
+    def _is_coming(self, request_id: str) -> bool:
+        """Reserved here (or waiting for blocks), its KV not yet admitted."""
+        return request_id in self._incoming or any(w[0].request_id == request_id for w in self._waiting)
+
+    def _add(self, seq: Sequence) -> None:
+        self.core.add(seq)
+        self.outputs.add(seq, seq.output_token_ids)
+
+    def _start_forks(self, request_id: str, sibling: Sequence | None) -> None:
+        """The forks of ``request_id`` join the engine: as forks of ``sibling``, just admitted with the
+        prompt's KV, or (None: it ended without it) of the first of them, which computes the prompt here."""
+        lead = sibling
+        for seq in self._forks.pop(request_id, ()):
+            seq.fork_of = lead
+            try:
+                self._add(seq)
+            except Exception as e:
+                ch = self._routes.get(seq.request_id)
+                if ch is not None:
+                    self._refuse(ch, seq.request_id, e)
+                continue
+            lead = lead or seq
 
     def _on_reserve(self, ch, frame: Reserve) -> None:
         rid = frame.request_id
@@ -113,10 +159,12 @@ class DecodeStage(StageLoop):
                     return  # blocks come back as requests end
                 self._waiting.popleft()
                 self._refuse(ch, seq.request_id, f"no KV blocks free for {self.lease_s:g}s: {e}")
+                self._start_forks(seq.request_id, None)
                 continue
             except Exception as e:
                 self._waiting.popleft()
                 self._refuse(ch, seq.request_id, e)
+                self._start_forks(seq.request_id, None)
                 continue
             self._waiting.popleft()
             self._incoming[seq.request_id] = seq
@@ -126,6 +174,14 @@ class DecodeStage(StageLoop):
         if self._incoming.pop(request_id, None) is not None:
             self.receiver.abort(request_id)  # frees the reserved blocks; the next poll() reaps it
         self._waiting = deque(w for w in self._waiting if w[0].request_id != request_id)
+        for sibling, forks in list(self._forks.items()):
+            kept = [f for f in forks if f.request_id != request_id]
+            if kept:
+                self._forks[sibling] = kept
+            else:
+                del self._forks[sibling]
+        if request_id in self._forks:  # its KV will not come: its forks compute the prompt here
+            self._start_forks(request_id, None)
         super()._release(request_id)
 
     def _iterate(self) -> bool:
@@ -143,6 +199,7 @@ class DecodeStage(StageLoop):
                 if result.status == "DONE":
                     self._admit(seq, self.receiver.release(result.request_id), result.first_token)
                 else:
+                    self._start_forks(seq.request_id, None)
                     self.fail_request(seq.request_id, f"KV transfer failed: {result.error}")
         if not self.core.has_unfinished():
             return False
@@ -156,11 +213,14 @@ class DecodeStage(StageLoop):
         text the detokenizer held back)."""
         finished = self.core.admit_prefilled(seq, block_ids, first_token)
         self.outputs.add(seq, seq.output_token_ids)
+        # its forks share the prompt's full blocks (or, if the first token ended it, find them in the
+        # prefix cache where it is on; else they compute the prompt here)
+        self._start_forks(seq.request_id, seq)
         if finished or self.outputs.is_stopped(seq.request_id):
             self.emit_outputs([StepOutput(seq, [])])
 
     def _has_pending(self) -> bool:
-        return bool(self._incoming or self._waiting)
+        return bool(self._incoming or self._waiting or self._forks)
 
     def _on_stop(self) -> None:
         if self.receiver is not None:

@@ -108,6 +108,7 @@ class EngineCore:
         # guided sequences waiting for their grammar to compile: id -> (seq, future, admitted prefilled)
         self._compiling: dict[str, tuple[Sequence, Future, bool]] = {}
         self.num_steps = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (a recompute counts again)
         if tp_group is not None:
             tp_group.finish_start(num_blocks, self.kv_caches)
 
@@ -223,13 +224,16 @@ class EngineCore:
     def cached_block_hashes(self) -> frozenset[int]:
         return frozenset(self.pool.cached_hashes())
 
-    def load(self, replica_id: str, is_alive: bool = True, num_sending: int = 0, num_incoming: int = 0) -> LoadReport:
-        """What a replica reports to the router."""
+    def load(self, replica_id: str, is_alive: bool = True, num_sending: int = 0, num_incoming: int = 0,
+             num_kv_bytes_sent: int = 0) -> LoadReport:
+        """What a replica reports to the router (and, for the metrics, what it computed and sent since start)."""
         return LoadReport(replica_id, is_alive, self.scheduler.num_queued_prefill_tokens(),
                           len(self.scheduler.running), len(self.scheduler.waiting) + len(self._compiling),
                           self.pool.num_free_blocks,
                           self.pool.num_blocks, num_sending, num_incoming,
-                          expert_load=tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else ())
+                          expert_load=tuple(self.expert_load().sum(0).tolist()) if self.model_config.is_moe else (),
+                          num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+                          num_kv_bytes_sent=num_kv_bytes_sent)
 
     def expert_load(self) -> torch.Tensor:
         """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
@@ -253,6 +257,8 @@ class EngineCore:
         layer_hook = on_batch(sched) if on_batch is not None else None
         sampled = self.runner.execute(sched.scheduled, layer_hook)
         self.num_steps += 1
+        self.num_prompt_tokens_computed += sum(max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+                                               for s in sched.scheduled)
         now = time.monotonic()
         outputs = failed
         with phase(UPDATE):

@@ -83,6 +83,7 @@ class PrefillStage(StageLoop):
         # way picks them up between layers instead of sending it all afterwards
         self._tickets_in: dict = {}
         self._tickets_lock = threading.Lock()
+        self.num_kv_bytes_sent = 0  # of the transfers that ended DONE (the metrics' per-replica counter)
         self.late_ticket_overlap = (str(engine_config.device).startswith("cuda") if late_ticket_overlap is None
                                     else late_ticket_overlap)
         super().__init__(replica_id, core, tokenizer)
@@ -224,6 +225,8 @@ class PrefillStage(StageLoop):
             if job is None:
                 continue
             self.core.free_prefilled(job.seq)
+            if result.status == "DONE":
+                self.num_kv_bytes_sent += self._kv_bytes(job)
             self._done(job, None if result.status == "DONE" else result.error, result.finished_at)
         self._renew_leases()
         return busy
@@ -244,9 +247,11 @@ class PrefillStage(StageLoop):
         self._routes.pop(job.seq.request_id, None)
         t = job.seq.metrics.timings()
         kv_time = None if finished_at is None or t.first_token is None else max(0.0, finished_at - t.first_token)
-        nbytes = len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block if job.ticket is not None else 0
         job.ch.send(PrefillDone(job.seq.request_id, error,
-                                replace(t, kv_transfer_time_s=kv_time, kv_transfer_bytes=nbytes)))
+                                replace(t, kv_transfer_time_s=kv_time, kv_transfer_bytes=self._kv_bytes(job))))
+
+    def _kv_bytes(self, job: _Job) -> int:
+        return len(job.ticket.block_ids) * self.core.kv_spec.bytes_per_block if job.ticket is not None else 0
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -266,4 +271,5 @@ class PrefillStage(StageLoop):
         self._routes.clear()
 
     def _snapshot_load(self) -> LoadReport:
-        return self.core.load(self.replica_id, num_sending=sum(j.sending for j in self._jobs.values()))
+        return self.core.load(self.replica_id, num_sending=sum(j.sending for j in self._jobs.values()),
+                              num_kv_bytes_sent=self.num_kv_bytes_sent)

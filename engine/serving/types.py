@@ -167,3 +167,5 @@ class LoadReport:
     # a mixture of experts: tokens routed to each expert since start, summed over the sparse
     # layers (EngineCore.expert_load has them per layer); empty for a dense model
     expert_load: tuple[int, ...] = ()
+    num_prompt_tokens_computed: int = 0  # prompt positions this replica ran through the model, since start
+    num_kv_bytes_sent: int = 0  # prefill: KV bytes of the transfers that ended DONE, since start

@@ -57,14 +57,22 @@ def test_a_failure_mid_stream_is_an_error_event(served):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(input=""), "input"),
     (dict(input=[]), "input"),
-    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input[0].type"),
+    (dict(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]), "input[0].extra"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]), "input[0].arguments"),
     (dict(input=[{"role": "critic", "content": "x"}]), "input[0].role"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0]"),
     (dict(input="hello", store=True), "store"),
     (dict(input="hello", previous_response_id="resp_1"), "previous_response_id"),
     (dict(input="hello", reasoning={"effort": "low"}), "reasoning"),
     (dict(input="hello", background=True), "background"),
-    (dict(input="hello", tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(input="hello", tools=[{"type": "web_search"}]), "tools[0].type"),
+    (dict(input="hello", tools=[{"type": "function", "name": "f", "parameters": {}, "cache": 1}]), "tools[0].cache"),
+    (dict(input="hello", tools=[{"type": "function", "name": "f g"}]), "tools[0].name"),
+    (dict(input="hello", tools=[{"type": "function", "name": "f", "parameters": []}]), "tools[0].parameters"),
+    (dict(input="hello", tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "g"}),
+     "tool_choice.name"),
+    (dict(input="hello", tool_choice="required"), "tool_choice"),
     (dict(input="hello", text={"format": {"type": "json_object"}}), "text.format"),
     (dict(input="hello", truncation="auto"), "truncation"),
     (dict(input="hello", max_output_tokens=0), "max_output_tokens"),
@@ -85,8 +93,8 @@ def test_the_responses_schema_is_decided_field_by_field():
 
     honoured = set(ResponsesBody.model_fields)
     refused = {"background", "background_options", "context_management", "conversation", "include",
-               "max_tool_calls", "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
-               "prompt_cache_options", "prompt_cache_retention", "reasoning", "service_tier", "tool_choice", "tools",
+               "max_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
+               "prompt_cache_options", "prompt_cache_retention", "reasoning", "service_tier",
                "top_logprobs", "access_programs", "image", "moderation"}
     schema = set(response_create_params.ResponseCreateParamsBase.__annotations__) | {"stream"}
     assert schema <= honoured | refused, sorted(schema - honoured - refused)
