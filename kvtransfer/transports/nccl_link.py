@@ -3,7 +3,8 @@
 For each chunk the sender announces it over gRPC (transfer id, layers, block
 range, heads, first tag, size) and posts one ``isend`` per layer, with the
 tags ``tag .. tag + num_layers - 1``, on the pair's process group (see
-pairing.py). A layer's part is sent straight from the cache where it is one
+pairing.py; a chunk whose layers are smaller than ``pairing.MIN_PART_BYTES``
+goes as one message). A layer's part is sent straight from the cache where it is one
 contiguous run of whole slabs on the pair's device (a view: no copy); any
 other chunk (a head range of a rank's slabs, scattered blocks, a cache on
 another GPU) is gathered into a staging buffer first and sent as its layers'
@@ -98,13 +99,16 @@ class NcclLink(GrpcControl):
         are views of the cache, sent as they lie)."""
         layers = src[chunk.src_rank]
         runs = contiguous_runs(ids)
-        if is_whole(src, chunk) and len(runs) == 1 and layers[0].device == self.staging.device:
+        nbytes = chunk_nbytes(src, chunk)
+        num_parts = pairing.num_parts(nbytes, chunk.num_layers)
+        if (num_parts == chunk.num_layers and is_whole(src, chunk) and len(runs) == 1
+                and layers[0].device == self.staging.device):
             first, n = runs[0]
             whole = slabs.as_slabs(layers)
             return [whole[layer][first:first + n].reshape(-1) for layer in chunk.layers], None
-        staging = self.staging.take(chunk_nbytes(src, chunk))
+        staging = self.staging.take(nbytes)
         data = gather(src, chunk, ids, out=staging)  # [layers * n, bytes per block], into staging
-        return list(data.reshape(chunk.num_layers, -1)), staging
+        return list(data.reshape(num_parts, -1)), staging
 
     def _issue(self, header, parts: list[torch.Tensor], staging, out: Future) -> None:
         """Announce the chunk and post its sends, one a layer (gloo writes what the socket takes right here)."""

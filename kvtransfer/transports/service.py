@@ -173,8 +173,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         staging = self.staging.take(expected)  # [nbytes]
         try:
             group = pair.wait_ready(self.chunk_timeout_s)
-            # one message a layer, tags tag, tag + 1, ... (nccl_link), each into its slice of the buffer
-            parts = staging.view(max(1, request.num_layers), -1)
+            # one message a layer, tags tag, tag + 1, ... (or one in all: pairing.num_parts), into its slice
+            parts = staging.view(pairing.num_parts(expected, request.num_layers), -1)
             works = [group.recv([part], pairing.SENDER_RANK, request.tag + i) for i, part in enumerate(parts)]
             for work in works:
                 work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))

@@ -1,8 +1,8 @@
 """The nccl transport (gloo on CPU) sends a chunk of several layers as one message a layer under one
 announce: a TP=2 prefill's half-size units, coalesced two layers to a chunk, go straight from the rank's
 cache when their blocks are one run (no staging copy), and through a staging buffer otherwise (scattered
-blocks, a head range of a rank's slabs); either way every layer lands in its own layer of the right decode
-blocks, bit for bit, checksummed or not."""
+blocks, a head range of a rank's slabs); a chunk of thin layers goes as one message; either way every
+layer lands in its own layer of the right decode blocks, bit for bit, checksummed or not."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +14,7 @@ from kvtransfer.config import ReceiverConfig, SenderConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.planner import ChunkPlan
 from kvtransfer.slabs import rank_views
+from kvtransfer.transports import pairing
 
 SECRET = "parts-secret"
 LAYERS, BLOCKS = 3, 8
@@ -45,8 +46,9 @@ def _send_both_ranks(link, ticket, src, src_ids, checksum: bool):
 
 @pytest.mark.parametrize("src_ids, is_view", [([2, 3, 4], True), ([5, 1, 3], False)])
 @pytest.mark.parametrize("checksum", [False, True])
-def test_each_layer_of_a_coalesced_chunk_lands_in_its_layer(two_to_one, src_ids, is_view, checksum):
+def test_each_layer_of_a_coalesced_chunk_lands_in_its_layer(two_to_one, monkeypatch, src_ids, is_view, checksum):
     rx, link, src, dst = two_to_one
+    monkeypatch.setattr(pairing, "MIN_PART_BYTES", 1024)  # these 3 KiB layers count as large (both sides)
     ticket = rx.reserve("r", 16 * len(src_ids))
     sent, chunks, views = _send_both_ranks(link, ticket, src, src_ids, checksum)
     assert [f.result(10).ok for f in sent] == [True, True], [f.result().error for f in sent]
@@ -59,6 +61,22 @@ def test_each_layer_of_a_coalesced_chunk_lands_in_its_layer(two_to_one, src_ids,
     assert len(parts) == LAYERS and (staging is None) == is_view
     if is_view:
         assert [p.data_ptr() for p in parts] == [src[0][layer][src_ids[0]].data_ptr() for layer in range(LAYERS)]
+    rx.abort("r")
+    rx.poll()
+
+
+def test_a_chunk_of_thin_layers_goes_as_one_message(two_to_one):
+    """Below pairing.MIN_PART_BYTES a layer (a short prompt's) is not worth a message: the chunk is copied
+    together and sent once, and still lands layer by layer."""
+    rx, link, src, dst = two_to_one
+    ticket = rx.reserve("r", 32)
+    sent, chunks, views = _send_both_ranks(link, ticket, src, [2, 3], True)
+    assert [f.result(10).ok for f in sent] == [True, True], [f.result().error for f in sent]
+    parts, staging = link._parts(views, chunks[1], [2, 3])
+    assert len(parts) == 1 and staging is not None
+    for layer in range(LAYERS):
+        for s, d in zip([2, 3], ticket.block_ids):
+            assert torch.equal(dst[layer][d], torch.cat([src[0][layer][s], src[1][layer][s]], 2))
     rx.abort("r")
     rx.poll()
 
