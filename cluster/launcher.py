@@ -114,12 +114,13 @@ class Cluster:
         threads = max(1, int(sc.ray_options.get("num_cpus") or 1))
         kwargs = {}
         if sc.num_ranks > 1:
-            from cluster.tp_ranks import RayRankLauncher, in_bundle, place_replica
+            from cluster.tp_ranks import RayRankLauncher, gpu_rank_options, in_bundle, place_replica
 
             pg = place_replica(name, stage, sc.num_ranks, sc.ray_options, sc.placement_strategy,
                                sc.placement_timeout_s)
             self.placement_groups[rid] = pg
             opts["scheduling_strategy"] = in_bundle(pg, 0)
+            opts.update(gpu_rank_options(opts))  # rank 0 opens the other ranks' GPU caches
             kwargs["ranks"] = RayRankLauncher(pg, name, dict(sc.ray_options), threads)
         return ray.remote(_stage_class(stage)).options(**opts).remote(
             rid, self.model_dir, self._engine_config(sc), self._transfer_args[stage], threads, **kwargs)

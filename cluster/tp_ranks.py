@@ -19,6 +19,13 @@ ends them with it, and removing the placement group ends every actor in it.
 A rank that dies takes the replica down (rank 0's loop checks its ranks'
 processes each round, `TPGroup.check_ranks`); a rank 0 that dies is seen by
 the other ranks within milliseconds (a pidfd), and they exit.
+
+GPUs: every rank actor of a GPU replica (rank 0 too: `gpu_rank_options` in
+the launcher) is started with Ray told not to set its CUDA_VISIBLE_DEVICES,
+and sets it itself before CUDA starts (`see_replica_gpus`): its bundle's GPU
+first, then the node's others (`engine.parallel.devices.replica_visible_devices`).
+Each rank runs on its own GPU as ``cuda:0``, and rank 0, the replica's one KV
+endpoint, opens every rank's cache from its CUDA IPC handles.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from engine.parallel.worker import WorkerSpec
 
 # what the spec's resources are called in a bundle
 _RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
+# Ray's switch that leaves an actor's CUDA_VISIBLE_DEVICES as the node's (see_replica_gpus sets it)
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 class PlacementError(RuntimeError):
@@ -104,6 +113,37 @@ def remove_replica_group(pg) -> None:
         pass
 
 
+def gpu_rank_options(ray_options: dict) -> dict:
+    """The Ray options every rank actor of a GPU replica needs besides its resources (none on CPU):
+    Ray must not narrow its CUDA_VISIBLE_DEVICES to its own GPU, or rank 0 could not open the other
+    ranks' caches; the rank sets it itself (`see_replica_gpus`)."""
+    if not ray_options.get("num_gpus"):
+        return {}
+    runtime_env = dict(ray_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = dict(runtime_env.get("env_vars") or {}, **{NOSET_VISIBLE_DEVICES: "1"})
+    return {"runtime_env": runtime_env}
+
+
+def see_replica_gpus(rank: int) -> str:
+    """In a rank's Ray actor, before CUDA starts in its process: CUDA_VISIBLE_DEVICES set to its
+    bundle's GPU first, then the node's other GPUs (returned). Raises where CUDA already started
+    (the setting would not apply) or where Ray gave the actor no GPU."""
+    import ray
+    import torch
+
+    from engine.parallel.devices import VISIBLE_DEVICES, replica_visible_devices
+
+    node_id = ray.get_runtime_context().get_node_id()
+    num_node_gpus = int(next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("NodeID") == node_id), 0))
+    visible = replica_visible_devices(rank, ray.get_gpu_ids(), os.environ.get(VISIBLE_DEVICES), num_node_gpus)
+    if os.environ.get(VISIBLE_DEVICES) != visible:
+        if torch.cuda.is_initialized():
+            raise RuntimeError(f"tensor-parallel rank {rank}: CUDA started in this process before its GPUs were "
+                               f"chosen ({VISIBLE_DEVICES}={visible}); nothing may touch CUDA before the group")
+        os.environ[VISIBLE_DEVICES] = visible
+    return visible
+
+
 def in_bundle(pg, index: int):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -121,6 +161,8 @@ class RankActor:
         from engine.serving.stage_loop import normal_priority
 
         normal_priority()  # a rank works as hard as its rank 0: not from Ray's niceness 15
+        if spec.config.device.startswith("cuda"):
+            see_replica_gpus(spec.rank)
         worker_main(spec, dial_rank0(address, authkey, spec.rank))
         ray.actor.exit_actor()  # stopped, aborted, or rank 0 gone: this process goes too
 
@@ -152,7 +194,11 @@ class RayRankLauncher:
     name: str  # the replica's actor name; ranks are <name>-rank<r>
     ray_options: dict  # one rank's num_cpus / num_gpus / resources
     num_threads: int | None = None
-    isolates_devices = True  # Ray sets each GPU rank's CUDA_VISIBLE_DEVICES to its bundle's GPU
+    isolates_devices = True  # each GPU rank's cuda:0 is its bundle's GPU (see_replica_gpus)
+
+    def see_devices(self, device: str) -> None:
+        if device.startswith("cuda"):
+            see_replica_gpus(0)
 
     def start(self, specs: list[WorkerSpec], timeout_s: float):
         import ray
@@ -161,6 +207,7 @@ class RayRankLauncher:
         actors, runs = {}, {}
         try:
             opts = {k: v for k, v in self.ray_options.items() if k in ("num_cpus", "num_gpus", "resources")}
+            opts.update(gpu_rank_options(opts))
             for spec in specs:
                 actor = ray.remote(RankActor).options(
                     **opts, name=f"{self.name}-rank{spec.rank}", max_restarts=0,

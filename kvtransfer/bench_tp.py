@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -200,7 +201,8 @@ def section(args, copies, seconds, ratios, command: str) -> str:
     for (transport, tokens), pct in worst.items():
         lines.append(f"| heterogeneous >= {TARGET:.0f}% of homogeneous, {transport}, {tokens} tokens | "
                      f"**{'met' if pct >= TARGET else 'not met'}**: worst pair {pct:.0f}% |")
-    lines += ["", provenance(), ""]
+    start = getattr(args, "load_at_start", None)
+    lines += ["", provenance() + (f" (load average {start:.1f} when it started)" if start is not None else ""), ""]
     return "\n".join(lines)
 
 
@@ -212,6 +214,7 @@ def main(argv=None) -> None:
     ap.add_argument("--copy-tokens", type=int, default=4096)
     ap.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = ap.parse_args(argv)
+    args.load_at_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
     sizes = [int(s) for s in args.sizes.split(",")]
     transports = [t for t in args.transports.split(",") if t]
     num_blocks = -(-max(sizes) // LAYOUTS[1].block_size) + 8

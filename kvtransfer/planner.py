@@ -74,6 +74,31 @@ def coalesce_layers(chunks: list[ChunkPlan], bytes_per_block, max_chunk_bytes: i
     return out
 
 
+def merge_heads(chunks: list[ChunkPlan], bytes_per_block, max_chunk_bytes: int) -> list[ChunkPlan]:
+    """Merge chunks of the same layers and blocks, read from one source rank, whose KV-head ranges follow
+    each other both in that rank and among the model's heads, up to max_chunk_bytes.
+
+    bytes_per_block: a function of the chunk (a head range's share of a block).
+
+    A one-rank prefill sending to a TP=2 decode has a unit per decode rank, each a head range of the same
+    slabs: merged, one chunk carries the rank's whole slabs (no strided copy before the send; sent from
+    the cache as it lies), and the receiver puts each head range into the rank that holds it. The units
+    the plan checked stay covered exactly once: a merged chunk carries the same (layer, head, block) pieces.
+    """
+    out: list[ChunkPlan] = []
+    for c in chunks:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.num_heads and c.num_heads and prev.src_rank == c.src_rank
+                and (prev.layer, prev.num_layers, prev.first_block, prev.num_blocks)
+                == (c.layer, c.num_layers, c.first_block, c.num_blocks)
+                and prev.src_head + prev.num_heads == c.src_head and prev.head_start + prev.num_heads == c.head_start
+                and prev.num_layers * c.num_blocks * (bytes_per_block(prev) + bytes_per_block(c)) <= max_chunk_bytes):
+            out[-1] = replace(prev, num_heads=prev.num_heads + c.num_heads)
+        else:
+            out.append(c)
+    return out
+
+
 def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     """``[(first_id, length)]`` covering block_ids in order, merging consecutive ids."""
     runs: list[tuple[int, int]] = []

@@ -49,7 +49,7 @@ import torch
 from kvtransfer import auth, transports
 from kvtransfer.config import SenderConfig
 from kvtransfer.layout import KVLayout, normalize_caches, with_layout
-from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, plan_layer
+from kvtransfer.planner import ChunkPlan, blocks_for_tokens, coalesce_layers, merge_heads, plan_layer
 from kvtransfer.reshard import TransferPlan
 from kvtransfer.slabs import rank_views
 from kvtransfer.types import Ack, HandshakeError, PlanError, State, Ticket, TransferError, TransferResult
@@ -322,7 +322,9 @@ class KVSender:
             for layer in u.layers:
                 plans[layer] += [replace(c, head_start=u.heads.start, num_heads=len(u.heads), src_rank=u.src.rank,
                                          src_head=u.src.head) for c in plan_layer(layer, num_blocks, per_block, cap)]
-        return plans
+        # units that are adjacent head ranges of one source rank's slabs travel as one chunk (no strided copy)
+        return [merge_heads(sorted(p, key=lambda c: (c.src_rank, c.first_block, c.src_head)), self._unit_bytes, cap)
+                for p in plans]
 
     def _maybe_commit(self, ob: Outbound) -> None:
         """Commit once every layer was *sent* (not acknowledged): the receiver finishes on the last chunk."""

@@ -154,6 +154,7 @@ class TPGroup:
             launcher = launcher or SpawnLauncher()
             backend = config.tp_comm_backend
             isolated = launcher.isolates_devices
+            launcher.see_devices(config.device)
             if config.device.startswith("cuda"):  # every rank's GPU exists (offline: refused naming both counts)
                 self.device = rank_device(config.device, 0, tp, cuda_device_count(), isolated)
                 rank_device(config.device, tp - 1, tp, cuda_device_count(), isolated)

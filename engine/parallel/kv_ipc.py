@@ -11,10 +11,11 @@ dtype against the rank's heads. The exporting process keeps the memory alive as
 long as it runs; rank 0 drops its views (the group's teardown) before it stops
 the workers.
 
-A device index means nothing across processes that see different GPUs (a Ray
-actor sees only its own, as cuda:0), so the handle names its GPU by UUID and rank 0
-opens it on its own index of that GPU; a GPU that rank 0 cannot see is refused
-with both named. The same code exports and rebuilds CPU tensors (shared memory),
+A device index means nothing across processes that see their GPUs in different
+orders (each Ray rank sees its own GPU first, as cuda:0, then the node's others:
+engine.parallel.devices), so the handle names its GPU by UUID and rank 0 opens it
+on its own index of that GPU; a GPU that rank 0 cannot see (a process started
+with a narrower CUDA_VISIBLE_DEVICES) is refused with both named. The same code exports and rebuilds CPU tensors (shared memory),
 which is how its pure-Python part is tested without a GPU.
 """
 from __future__ import annotations

@@ -48,7 +48,11 @@ class RankProcess(Protocol):
 
 class RankLauncher(Protocol):
     num_threads: int | None  # torch threads per rank; None: this host's cores shared among the ranks
-    isolates_devices: bool  # each rank sees only its own GPU (Ray), not the host's (engine.parallel.devices)
+    isolates_devices: bool  # each rank's cuda:0 is its own GPU (Ray), not rank r's cuda:r (engine.parallel.devices)
+
+    def see_devices(self, device: str) -> None:
+        """Called first in rank 0's process, before CUDA starts there: make the GPUs the group needs
+        visible to it (the engine's ``device``: "cpu" or "cuda")."""
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[tuple[RankProcess, Connection]]:
         """Start ranks 1..N-1 (``specs`` in rank order); return each one's process and connection,
@@ -60,6 +64,9 @@ class SpawnLauncher:
 
     num_threads = None
     isolates_devices = False  # children see every GPU: rank r takes cuda:r
+
+    def see_devices(self, device: str) -> None:
+        pass  # this process sees the host's GPUs already
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[tuple[RankProcess, Connection]]:
         ctx = mp.get_context("spawn")

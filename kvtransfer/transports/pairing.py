@@ -17,6 +17,17 @@ import torch
 import torch.distributed as dist
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
+# A chunk of several layers travels as one message a layer (tags tag, tag + 1, ...) where a layer's part is
+# at least this big, else as one message, copied together: a short prompt's chunk of many thin layers (16
+# tokens: 30 layers of 8 KiB) would pay a message per layer to save copying almost nothing. 512 KiB parts (two
+# ranks' units at 1024 tokens) sent as views measured no slower than copied (BENCHMARKS.md).
+MIN_PART_BYTES = 256 << 10
+
+
+def num_parts(nbytes: int, num_layers: int) -> int:
+    """How many messages a chunk of ``nbytes`` over ``num_layers`` layers travels as (both sides agree)."""
+    num_layers = max(1, num_layers)
+    return num_layers if nbytes // num_layers >= MIN_PART_BYTES else 1
 
 
 def backend_for(device: torch.device) -> str:

@@ -173,8 +173,11 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         staging = self.staging.take(expected)  # [nbytes]
         try:
             group = pair.wait_ready(self.chunk_timeout_s)
-            work = group.recv([staging], pairing.SENDER_RANK, request.tag)
-            work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
+            # one message a layer, tags tag, tag + 1, ... (or one in all: pairing.num_parts), into its slice
+            parts = staging.view(pairing.num_parts(expected, request.num_layers), -1)
+            works = [group.recv([part], pairing.SENDER_RANK, request.tag + i) for i, part in enumerate(parts)]
+            for work in works:
+                work.wait(datetime.timedelta(seconds=self.chunk_timeout_s))
         except Exception as e:  # the sender died or stalled: this pair is done (the buffer is not reused)
             pair.is_broken = True
             self.core.drop_session(session.session_id)  # its next call must handshake a new pair

@@ -13,7 +13,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.llm import LLM
 from engine.parallel import comm
-from engine.parallel.devices import rank_device
+from engine.parallel.devices import rank_device, replica_visible_devices
 from engine.parallel.kv_ipc import SharedKV, export_kv, import_kv, local_index, on_device
 from tests.engine.factories import save_tiny_model
 
@@ -64,6 +64,38 @@ def test_more_ranks_than_gpus_is_refused_naming_both():
 def test_a_ray_rank_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="rank 1: device cuda, but this process sees no GPU"):
         rank_device("cuda", 1, 2, 0, is_isolated=True)
+
+
+# A Ray replica of 4 ranks on an 8-GPU node, Ray told not to set CUDA_VISIBLE_DEVICES: each rank sees its
+# bundle's GPU first (its cuda:0) and then the node's others, so rank 0 sees every rank's GPU.
+@pytest.mark.parametrize("node_visible, num_node_gpus, own, want", [
+    (None, 8, [[2], [3], [4], [5]], ["2,0,1,3,4,5,6,7", "3,0,1,2,4,5,6,7", "4,0,1,2,3,5,6,7", "5,0,1,2,3,4,6,7"]),
+    # the node's Ray started under CUDA_VISIBLE_DEVICES: ray.get_gpu_ids() gives its entries, as strings
+    ("4,5,6,7", 4, [["6"], ["7"], ["4"], ["5"]], ["6,4,5,7", "7,4,5,6", "4,5,6,7", "5,4,6,7"]),
+    ("GPU-a,GPU-b", 2, [["GPU-b"], ["GPU-a"]], ["GPU-b,GPU-a", "GPU-a,GPU-b"]),
+    (None, 4, [[1, 0], [3, 2]], ["0,1,2,3", "2,3,0,1"]),  # num_gpus 2 a rank: the lowest id is its cuda:0
+])
+def test_a_ray_rank_sees_its_gpu_first_then_the_nodes(node_visible, num_node_gpus, own, want):
+    got = [replica_visible_devices(rank, ids, node_visible, num_node_gpus) for rank, ids in enumerate(own)]
+    assert got == want
+    firsts = [g.split(",")[0] for g in got]
+    assert len(set(firsts)) == len(firsts)  # one device per rank for NCCL
+    mine = {str(i) for ids in own for i in ids}
+    assert all(mine <= set(g.split(",")) for g in got)  # every rank's GPU visible to rank 0 (and the others)
+    assert [rank_device("cuda", r, len(own), len(g.split(",")), is_isolated=True) for r, g in enumerate(got)] == \
+        ["cuda:0"] * len(own)
+
+
+def test_a_ray_rank_without_a_gpu_id_is_refused():
+    with pytest.raises(ConfigError, match="rank 1: device cuda, but its Ray bundle holds no GPU"):
+        replica_visible_devices(1, [], None, 8)
+
+
+def test_a_gpu_id_that_is_not_the_nodes_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"rank 2: Ray gave it GPU 3, which is not among the node's GPUs \['0', '1'\]"):
+        replica_visible_devices(2, [3], "0,1", 2)
+    with pytest.raises(ConfigError, match=r"GPU 0, which is not among the node's GPUs \(none\)"):
+        replica_visible_devices(0, [0], "", 0)
 
 
 def test_nccl_and_gloo_share_one_implementation():
@@ -151,3 +183,61 @@ def test_llm_refuses_more_ranks_than_gpus_naming_both(tmp_path):
     with pytest.raises(ConfigError, match=f"{tp} ranks need {tp} GPUs \\(one each\\) and this host sees {seen}"):
         LLM(str(tmp_path), dtype="float32", device="cuda", tensor_parallel_size=tp, num_kv_blocks=8)
     assert mine() <= before  # the group's segment went with the refusal
+
+
+def _ray_ranks_views(size: int) -> dict:
+    """In a Ray of its own with 4 GPUs (its resource only: this host may have none), under
+    CUDA_VISIBLE_DEVICES=4,5,6,7: what each rank actor of a replica's placement group sees once it
+    chose its GPUs, and what an actor in the same kind of bundle sees without gpu_rank_options."""
+    import ray
+
+    from cluster.tp_ranks import gpu_rank_options, in_bundle, place_replica, see_replica_gpus
+    from cluster.types import Stage
+
+    class Rank:
+        def view(self, rank: int) -> tuple[list[str], str]:
+            before = os.environ.get("CUDA_VISIBLE_DEVICES")
+            see_replica_gpus(rank)
+            return [before, os.environ["CUDA_VISIBLE_DEVICES"], [str(i) for i in ray.get_gpu_ids()]]
+
+    class Plain:
+        def view(self) -> str:
+            return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        options = {"num_cpus": 0.1, "num_gpus": 1}
+        pg = place_replica("gpu-view", Stage.DECODE, size, options, "STRICT_PACK", 60.0)
+        actors = [ray.remote(Rank).options(**options, **gpu_rank_options(options),
+                                           scheduling_strategy=in_bundle(pg, r)).remote() for r in range(size)]
+        views = ray.get([a.view.remote(r) for r, a in enumerate(actors)], timeout=120)
+        plain = ray.remote(Plain).options(**options).remote()
+        return {"ranks": views, "plain": ray.get(plain.view.remote(), timeout=120)}
+    finally:
+        ray.shutdown()
+
+
+def test_ray_rank_actors_of_a_gpu_replica_see_every_gpu_of_it_their_own_first(tmp_path):
+    """Over a real Ray (fake GPUs: no CUDA is touched): Ray leaves the ranks' CUDA_VISIBLE_DEVICES to
+    them, and each one's list starts with its own GPU and holds every other rank's, so rank 0 can open
+    their caches; an actor started without the options sees only its own GPU, as Ray sets it."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "views.json"
+    code = ("import json; from tests.engine.test_tp_cuda_config import _ray_ranks_views; "
+            f"json.dump(_ray_ranks_views(3), open({str(out)!r}, 'w'))")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="4,5,6,7")
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    views = json.loads(out.read_text())
+    ranks = views["ranks"]
+    assert [before for before, _, _ in ranks] == ["4,5,6,7"] * 3  # Ray did not narrow it
+    owns = [ids for _, _, ids in ranks]
+    assert all(len(ids) == 1 for ids in owns) and len({ids[0] for ids in owns}) == 3, owns  # a GPU each
+    for (_, visible, ids) in ranks:
+        seen = visible.split(",")
+        assert seen[0] == ids[0] and sorted(seen) == ["4", "5", "6", "7"], (visible, ids)
+    assert views["plain"] in ("4", "5", "6", "7")  # without gpu_rank_options, Ray's own narrowing

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.planner import Coverage, coalesce_layers, contiguous_runs, plan_layer
+from kvtransfer.planner import ChunkPlan, Coverage, coalesce_layers, contiguous_runs, merge_heads, plan_layer
 
 
 @given(num_blocks=st.integers(1, 300), slab=st.integers(1, 10_000), cap=st.integers(1, 100_000))
@@ -46,3 +46,35 @@ def test_coalesced_chunks_cover_the_same_slabs_within_the_cap(num_layers, num_bl
     assert sum(c.num_layers for c in merged) == len(planned)
     assert all(c.num_layers == 1 or c.num_layers * c.num_blocks * slab <= cap for c in merged)
 
+
+def _pieces(chunks):
+    """Every (layer, global head, block) a list of chunks carries, with repeats."""
+    return sorted((layer, h, b) for c in chunks for layer in c.layers for h in range(c.head_start, c.head_start + c.num_heads)
+                  for b in range(c.first_block, c.first_block + c.num_blocks))
+
+
+@given(num_blocks=st.integers(1, 40), heads_per_unit=st.integers(1, 4), units=st.integers(1, 4),
+       num_src=st.integers(1, 2), cap=st.integers(1, 2_000))
+def test_merged_head_ranges_carry_the_same_pieces_within_the_cap(num_blocks, heads_per_unit, units, num_src, cap):
+    head_bytes = 10
+    planned = []
+    for u in range(units):  # a unit: heads_per_unit heads, of source rank u % num_src
+        rank, first = u % num_src, u * heads_per_unit
+        local = (u // num_src) * heads_per_unit
+        planned += [ChunkPlan(0, c.first_block, c.num_blocks, 1, first, heads_per_unit, rank, local)
+                    for c in plan_layer(0, num_blocks, heads_per_unit * head_bytes, cap)]
+    planned.sort(key=lambda c: (c.src_rank, c.first_block, c.src_head))
+    merged = merge_heads(planned, lambda c: c.num_heads * head_bytes, cap)
+    assert _pieces(merged) == _pieces(planned)
+    assert all(c in planned or c.num_blocks * c.num_heads * head_bytes <= cap for c in merged)
+    assert len({(c.src_rank, c.src_head, c.first_block) for c in merged}) == len(merged)
+
+
+def test_a_one_rank_prefill_to_tp2_sends_its_whole_slabs_as_one_chunk():
+    # heads 0-1 to decode rank 0, 2-3 to decode rank 1, both from the one prefill rank's 4 heads
+    units = [ChunkPlan(5, 0, 8, 1, 0, 2, 0, 0), ChunkPlan(5, 0, 8, 1, 2, 2, 0, 2)]
+    assert merge_heads(units, lambda c: c.num_heads * 10, 8 * 40) == [ChunkPlan(5, 0, 8, 1, 0, 4, 0, 0)]
+    assert merge_heads(units, lambda c: c.num_heads * 10, 8 * 40 - 1) == units  # over the cap: as planned
+    # two prefill ranks (2 -> 1): different sources, never one chunk
+    two = [ChunkPlan(5, 0, 8, 1, 0, 2, 0, 0), ChunkPlan(5, 0, 8, 1, 2, 2, 1, 0)]
+    assert merge_heads(two, lambda c: c.num_heads * 10, 1 << 20) == two
