@@ -326,7 +326,7 @@ class EngineCore:
             return failed  # room for one more batch first
         sched, batch, marks = self._in_flight.popleft()
         sampled = self.runner.collect(batch)
-        for s in sched.scheduled:
+        for s in batch.samplers:
             self._busy.discard(s.seq.request_id)
         # a sequence preempted while its batch was in the pipeline starts over: drop what came back
         kept = [s for s, m in zip(sched.scheduled, marks) if s.seq.metrics.num_preemptions == m]

@@ -346,8 +346,17 @@ class TPGroup:
                 if p.exitcode is not None]
         return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else None
 
-    def worker_error(self) -> str | None:
-        """The first error a worker reported, if any (after a failed collective)."""
+    def worker_error(self, wait_s: float = 0.0) -> str | None:
+        """The first error a worker reported, if any (after a failed collective), waiting up to
+        ``wait_s`` for one (a rank that aborted the group reports why just after)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            cause = self._worker_error()
+            if cause is not None or time.monotonic() >= deadline:
+                return cause
+            time.sleep(0.01)
+
+    def _worker_error(self) -> str | None:
         for rank, conn in enumerate(self.state.conns, start=1):
             try:
                 if conn.poll(0):

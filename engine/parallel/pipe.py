@@ -53,7 +53,7 @@ class StageChannel:
         lay, b, slot = self.layout, self.stage, k % self.layout.pipe_slots
         if k > lay.pipe_slots:
             for t in range(lay.tp):
-                self.shm.wait_flag(lay.act_ack(b, t), k - lay.pipe_slots, f"pipeline hand-off to stage {b + 1}")
+                self.shm.wait_flag(lay.act_ack(b, t), k - lay.pipe_slots, f"pipeline hand-off to stage {b + 1} (ranks {(b + 1) * lay.tp}..{(b + 2) * lay.tp - 1})")
         nbytes = x.numel() * x.element_size()
         if nbytes > lay.act_bytes:
             raise RuntimeError(f"pipeline hand-off of {nbytes} bytes exceeds the slot's {lay.act_bytes}")
@@ -66,7 +66,7 @@ class StageChannel:
     def recv_hidden(self, k: int, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Batch k's residual stream from the previous stage: [num_tokens, hidden_size]."""
         lay, b, slot = self.layout, self.stage - 1, k % self.layout.pipe_slots
-        self.shm.wait_flag(lay.act_seq(b), k, f"pipeline hand-off from stage {b}")
+        self.shm.wait_flag(lay.act_seq(b), k, f"pipeline hand-off from stage {b} (rank {b * lay.tp})")
         x = self.shm.region(lay.act_offset(b, slot), dtype, num_tokens * hidden_size).clone()
         self.shm.set_flag(lay.act_ack(b, self.tp_rank), k)
         return x.view(num_tokens, hidden_size)
@@ -79,7 +79,7 @@ class StageChannel:
         """The last stage's leader: batch k's logits rows ([n, vocab] float32; None: none sampled)."""
         lay, slot = self.layout, k % self.layout.pipe_slots
         if k > lay.pipe_slots:
-            self.shm.wait_flag(lay.ret_ack, k - lay.pipe_slots, "pipeline logits return")
+            self.shm.wait_flag(lay.ret_ack, k - lay.pipe_slots, "pipeline logits return (to rank 0)")
         if logits is not None:
             nbytes = logits.numel() * 4
             if nbytes > lay.ret_bytes:
@@ -94,9 +94,9 @@ class StageChannel:
         lay, slot = self.layout, k % self.layout.pipe_slots
         if on_stage_done is not None:
             for s in range(1, lay.pp):
-                self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s}")
+                self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s} (ranks {s * lay.tp}..{(s + 1) * lay.tp - 1})")
                 on_stage_done(s)
-        self.shm.wait_flag(lay.ret_seq, k, "pipeline logits return")
+        self.shm.wait_flag(lay.ret_seq, k, f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})")
         out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()
         self.shm.set_flag(lay.ret_ack, k)
         return out.view(num_rows, vocab_size)

@@ -40,7 +40,7 @@ class TPRunner(ModelRunner):
 
     def _fail(self, e: BaseException):
         """A step failed part-way: tear the group down and raise, naming the rank that caused it."""
-        cause = self.group.worker_error() or self.group.gone_ranks()
+        cause = self.group.worker_error() or self.group.gone_ranks() or self.group.worker_error(wait_s=1.0)
         self.group.fail()
         if cause is not None:
             raise CollectiveError(f"{self.kind} step failed: {cause}") from e
