@@ -40,9 +40,11 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, model: ModelConfig, block_size: int, dtype: str,
-                  num_kv_heads: int | None = None) -> "KVCacheSpec":
-        """``num_kv_heads``: the heads one tensor-parallel rank holds (default: all of them)."""
-        return cls(model.num_layers, num_kv_heads or model.num_kv_heads, model.head_dim, block_size, dtype)
+                  num_kv_heads: int | None = None, num_layers: int | None = None) -> "KVCacheSpec":
+        """``num_kv_heads``: the heads one tensor-parallel rank holds; ``num_layers``: the layers one
+        pipeline stage holds (default: all of them)."""
+        return cls(num_layers or model.num_layers, num_kv_heads or model.num_kv_heads, model.head_dim, block_size,
+                   dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
