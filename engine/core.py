@@ -264,7 +264,12 @@ class EngineCore:
         batch before the forward pass and may return a per-layer hook (the
         prefill stage starts KV sends there).
 
-        With pipeline_parallel_size > 1 see `_step_pipelined`."""
+        With pipeline_parallel_size > 1 see `_step_pipelined`: a round may launch a batch and apply
+        an earlier one's tokens (or, filling the pipeline, return nothing). The hook then gets global
+        layer ids, each once per batch and in order: rank 0's own layers during its forward (at
+        launch), and each later stage's layers when rank 0 sees that stage's done counter reach the
+        batch (engine.parallel.pipe), while it waits for the batch's logits: a range's KV is written
+        on its rank by then, and leaves as soon as rank 0 is back from launching the next batch."""
         if self.pp_size > 1:
             return self._step_pipelined(on_batch)
         failed = self._start_compiled() if self._compiling else []

@@ -54,8 +54,8 @@ def no_leaks():
 
 
 def generate(folder, prompts, params=GREEDY, **kw) -> list[list[int]]:
-    kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, **kw}
-    with LLM(str(folder), dtype="float32", **kw) as llm:
+    kw = {"dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 64, **kw}
+    with LLM(str(folder), **kw) as llm:
         outs = llm.generate(prompts, params)
         assert llm.core.is_idle()
         if llm.core.tp_group is not None:
@@ -77,6 +77,22 @@ def test_pp_greedy_equals_pp1_and_transformers(tmp_path, name):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for p, o in zip(prompts, out):
         assert hf_greedy_mismatch(hf, p, o) is None, f"{name}: PP={pp} diverged from transformers"
+
+
+def test_bf16_stages_decode_fused_and_equal_pp1(tmp_path):
+    """bf16: each stage runs its decode layers in one native call (FusedDecoder takes the previous
+    stage's hidden states; one before the last returns its residual stream), with the same
+    roundings as the whole stack at PP=1, so the tokens are the same."""
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=4, initializer_range=0.2)
+    prompts = random_prompts(6, 96, [7, 30, 2], seed=2)
+    ref = generate(tmp_path, prompts, dtype="bfloat16")
+    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, pipeline_parallel_size=2,
+             pipeline_layer_split=[3, 1]) as llm:
+        if llm.core.model.ops.packs_weights:  # (a CPU with the native kernels)
+            assert llm.core.model.fused is not None
+        out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.core.is_idle()
+    assert out == ref
 
 
 def test_each_rank_holds_only_its_layers(tmp_path):
@@ -203,7 +219,8 @@ def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, 
         return None
 
     t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"from stage 1 \(rank 1\).*timeout"):
+    named = r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"from stage 1 \(rank 1\).*timeout"
+    with pytest.raises(CollectiveError, match=named):
         while llm.core.has_unfinished():
             llm.core.step(on_batch)
     assert time.monotonic() - t0 < 8.0
