@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     itemsize = torch.tensor([], dtype=getattr(torch, one["dtype"])).element_size()
     n = -(-args.prompt_len // args.chunk)
     bubble = 1 - med[1]["ttft_s"] / med[2]["ttft_s"]
+    bubble_1t = 1 - med[0]["ttft_s"] / 2 / med[2]["ttft_s"]  # against half the single-thread work
     load = os.getloadavg()[0]
     isa = "avx512_bf16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "avx2"
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
@@ -126,7 +127,8 @@ def main(argv=None) -> None:
         "(the residual stream only; the last stage returns the sampled rows' logits, "
         "vocab x 4 B per sampled token, to rank 0).", "",
         f"Bubble left in the pipelined prefill: {bubble:.0%} of the two cores' time "
-        f"(1 - T(PP=1) / T(PP=2)); the pipeline's own with {n} chunks on 2 stages: 1 / {n + 1} = {1 / (n + 1):.0%}.",
+        f"(1 - T(PP=1) / T(PP=2)); against the 1-thread control, 1 - (T(PP=1, 1 thread) / 2) / T(PP=2) = "
+        f"{bubble_1t:.0%}; the pipeline's own with {n} chunks on 2 stages: 1 / {n + 1} = {1 / (n + 1):.0%}.",
         "", "Every round, TTFT s / decode tok/s (PP=1 2 threads | PP=2 | PP=1 1 thread): " + "; ".join(
             f"{a['ttft_s']:.2f} / {a['tok_s']:.1f} | {b['ttft_s']:.2f} / {b['tok_s']:.1f} | "
             f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0])), "",

@@ -167,7 +167,7 @@ def test_pipelined_long_prompt_equals_unchunked(tmp_path):
         chunks_in_flight, collect = [], core.runner.collect
 
         def logged_collect(batch):  # the batch coming back, and those behind it
-            chunks_in_flight.append(1 + sum(len(sched.scheduled) for sched, _, _ in core._in_flight))
+            chunks_in_flight.append(1 + sum(len(b.sched.scheduled) for b in core._in_flight))
             return collect(batch)
 
         core.runner.collect = logged_collect
