@@ -229,6 +229,17 @@ def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, 
     llm.close()
 
 
+def test_close_and_garbage_collection_leave_no_rank_and_no_segment(tmp_path):
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, pipeline_parallel_size=3)
+    pids = llm.core.tp_group.pids
+    assert len(pids) == 2 and own_segments() == set()  # (unlinked once every rank mapped it)
+    llm.generate([[5, 6, 7]], GREEDY)
+    del llm
+    gc.collect()
+    assert wait_gone(pids, 10.0)
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(pipeline_parallel_size=2, pipeline_layer_split=[1, 2]),
      r"pipeline_layer_split: \[1, 2\] sums to 3 layers; the model has 4"),
