@@ -48,6 +48,15 @@ class StepOutput:
     new_token_ids: list[int]
 
 
+@dataclass
+class InFlightBatch:
+    """A batch launched down the pipeline (pipeline_parallel_size > 1), not yet back."""
+
+    sched: SchedulerOutput
+    handle: object  # engine.parallel.runner.InFlight
+    preemptions: list[int]  # each scheduled sequence's preemption count at launch
+
+
 class EngineCore:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
                  tp_group=None):
@@ -102,10 +111,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
         self.tp_group = tp_group
-        # pipeline parallelism: batches launched down the pipeline, oldest first, not yet collected (each
-        # with the preemption count of its sequences at launch), and the sequences whose sampling chunk is
-        # among them (never scheduled again until it is back)
-        self._in_flight: deque = deque()
+        # pipeline parallelism: batches launched down the pipeline, oldest first, not yet collected, and
+        # the sequences whose sampling chunk is among them (never scheduled again until it is back)
+        self._in_flight: deque[InFlightBatch] = deque()
         self._busy: set[str] = set()
         if pp > 1:
             from engine.parallel.runner import PPRunner
@@ -268,7 +276,12 @@ class EngineCore:
         batch before the forward pass and may return a per-layer hook (the
         prefill stage starts KV sends there).
 
-        With pipeline_parallel_size > 1 see `_step_pipelined`."""
+        With pipeline_parallel_size > 1 see `_step_pipelined`: a round may launch a batch and apply
+        an earlier one's tokens (or, filling the pipeline, return nothing). The hook then gets global
+        layer ids, each once per batch and in order: rank 0's own layers during its forward (at
+        launch), and each later stage's layers when rank 0 sees that stage's done counter reach the
+        batch (engine.parallel.pipe), while it waits for the batch's logits: a range's KV is written
+        on its rank by then, and leaves as soon as rank 0 is back from launching the next batch."""
         if self.pp_size > 1:
             return self._step_pipelined(on_batch)
         failed = self._start_compiled() if self._compiling else []
@@ -320,8 +333,8 @@ class EngineCore:
                         self._busy.add(s.seq.request_id)
                     else:  # the next chunk may be scheduled behind this one
                         s.seq.num_computed_tokens = s.start + s.num_new_tokens
-                marks = [s.seq.metrics.num_preemptions for s in sched.scheduled]
-                self._in_flight.append((sched, batch, marks))
+                self._in_flight.append(InFlightBatch(sched, batch, [s.seq.metrics.num_preemptions
+                                                                    for s in sched.scheduled]))
                 self.num_steps += 1
                 launched = True
         if not self._in_flight:
@@ -330,12 +343,12 @@ class EngineCore:
             return failed
         if launched and len(self._in_flight) < self.pp_size:
             return failed  # room for one more batch first
-        sched, batch, marks = self._in_flight.popleft()
-        sampled = self.runner.collect(batch)
-        for s in batch.samplers:
+        done = self._in_flight.popleft()
+        sampled = self.runner.collect(done.handle)
+        for s in done.handle.samplers:
             self._busy.discard(s.seq.request_id)
         # a sequence preempted while its batch was in the pipeline starts over: drop what came back
-        kept = [s for s, m in zip(sched.scheduled, marks) if s.seq.metrics.num_preemptions == m]
+        kept = [s for s, m in zip(done.sched.scheduled, done.preemptions) if s.seq.metrics.num_preemptions == m]
         return self._update(SchedulerOutput(kept), sampled, failed)
 
     def _start_compiled(self) -> list[StepOutput]:

@@ -199,9 +199,10 @@ class LlamaModel:
                 self._to_huge_pages()
         # None: every batch takes the per-op path. FusedDecoder runs the whole stack in one native call,
         # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards;
-        # nor route tokens to experts, so a mixture of experts does too; nor run part of the stack (a pipeline stage)
-        self.fused = (None if self.shard.is_sharded or self.cfg.is_moe or self.shard.pp_size > 1
-                      else ops.fused_decoder(self))
+        # nor route tokens to experts, so a mixture of experts does too
+        # (a pipeline stage runs its layers fused: it takes the previous stage's hidden states, and one
+        # before the last returns its residual stream)
+        self.fused = None if self.shard.is_sharded or self.cfg.is_moe else ops.fused_decoder(self)
 
     def _pack_matmul_weights(self) -> None:
         """The matmul weights into the native kernel's layout (engine.kernels.PackedWeight),
@@ -288,7 +289,8 @@ class LlamaModel:
         ops, all_reduce = self.ops, self.comm.all_reduce
         if (self.fused is not None and not meta.prefills and layer_hook is None and T <= MAX_FUSED_ROWS):
             # a batch of decode tokens only: the whole stack in one native call
-            return self.fused.forward(self.embed_tokens(input_ids), positions, meta.slot_blocks,
+            return self.fused.forward(self.embed_tokens(input_ids) if hidden is None else hidden, positions,
+                                      meta.slot_blocks,
                                       meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches, torch.get_num_threads())
         linear = ops.linear

@@ -301,7 +301,8 @@ class TPGroup:
         return mapped
 
     def rank_kv_caches(self) -> list[list]:
-        """rank -> its local layer (`rank_layers`) -> that rank's KV cache tensor (``[num_blocks, 2, block_size, its heads, head_dim]``),
+        """rank -> its local layer (`rank_layers`) -> that rank's KV cache tensor
+        (``[num_blocks, 2, block_size, its heads, head_dim]``),
         rank 0's own and the others' mapped from their shared memory (CPU) or opened from their CUDA IPC
         handles (each on its rank's GPU): what the replica's one KV transfer endpoint reads (prefill) or
         writes (decode). Valid while the group is up."""

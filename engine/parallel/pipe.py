@@ -53,7 +53,8 @@ class StageChannel:
         lay, b, slot = self.layout, self.stage, k % self.layout.pipe_slots
         if k > lay.pipe_slots:
             for t in range(lay.tp):
-                self.shm.wait_flag(lay.act_ack(b, t), k - lay.pipe_slots, f"pipeline hand-off to stage {b + 1} (ranks {(b + 1) * lay.tp}..{(b + 2) * lay.tp - 1})")
+                self.shm.wait_flag(lay.act_ack(b, t), k - lay.pipe_slots,
+                                   f"pipeline hand-off to stage {b + 1} (rank {(b + 1) * lay.tp + t})")
         nbytes = x.numel() * x.element_size()
         if nbytes > lay.act_bytes:
             raise RuntimeError(f"pipeline hand-off of {nbytes} bytes exceeds the slot's {lay.act_bytes}")
@@ -94,7 +95,7 @@ class StageChannel:
         lay, slot = self.layout, k % self.layout.pipe_slots
         if on_stage_done is not None:
             for s in range(1, lay.pp):
-                self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s} (ranks {s * lay.tp}..{(s + 1) * lay.tp - 1})")
+                self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s} (rank {s * lay.tp})")
                 on_stage_done(s)
         self.shm.wait_flag(lay.ret_seq, k, f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})")
         out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()

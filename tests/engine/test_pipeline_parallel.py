@@ -54,8 +54,8 @@ def no_leaks():
 
 
 def generate(folder, prompts, params=GREEDY, **kw) -> list[list[int]]:
-    kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, **kw}
-    with LLM(str(folder), dtype="float32", **kw) as llm:
+    kw = {"dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 64, **kw}
+    with LLM(str(folder), **kw) as llm:
         outs = llm.generate(prompts, params)
         assert llm.core.is_idle()
         if llm.core.tp_group is not None:
@@ -77,6 +77,22 @@ def test_pp_greedy_equals_pp1_and_transformers(tmp_path, name):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for p, o in zip(prompts, out):
         assert hf_greedy_mismatch(hf, p, o) is None, f"{name}: PP={pp} diverged from transformers"
+
+
+def test_bf16_stages_decode_fused_and_equal_pp1(tmp_path):
+    """bf16: each stage runs its decode layers in one native call (FusedDecoder takes the previous
+    stage's hidden states; one before the last returns its residual stream), with the same
+    roundings as the whole stack at PP=1, so the tokens are the same."""
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=4, initializer_range=0.2)
+    prompts = random_prompts(6, 96, [7, 30, 2], seed=2)
+    ref = generate(tmp_path, prompts, dtype="bfloat16")
+    with LLM(str(tmp_path), dtype="bfloat16", num_kv_blocks=64, pipeline_parallel_size=2,
+             pipeline_layer_split=[3, 1]) as llm:
+        if llm.core.model.ops.packs_weights:  # (a CPU with the native kernels)
+            assert llm.core.model.fused is not None
+        out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.core.is_idle()
+    assert out == ref
 
 
 def test_each_rank_holds_only_its_layers(tmp_path):
@@ -151,7 +167,7 @@ def test_pipelined_long_prompt_equals_unchunked(tmp_path):
         chunks_in_flight, collect = [], core.runner.collect
 
         def logged_collect(batch):  # the batch coming back, and those behind it
-            chunks_in_flight.append(1 + sum(len(sched.scheduled) for sched, _, _ in core._in_flight))
+            chunks_in_flight.append(1 + sum(len(b.sched.scheduled) for b in core._in_flight))
             return collect(batch)
 
         core.runner.collect = logged_collect
@@ -203,13 +219,25 @@ def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, 
         return None
 
     t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"from stage 1 \(rank 1\).*timeout"):
+    named = r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"from stage 1 \(rank 1\).*timeout"
+    with pytest.raises(CollectiveError, match=named):
         while llm.core.has_unfinished():
             llm.core.step(on_batch)
     assert time.monotonic() - t0 < 8.0
     assert len(batches) < 19  # it failed mid-prefill
     assert wait_gone(pids, 10.0)  # the others stop at the abort; a stopped one is killed by the teardown
     llm.close()
+
+
+def test_close_and_garbage_collection_leave_no_rank_and_no_segment(tmp_path):
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, pipeline_parallel_size=3)
+    pids = llm.core.tp_group.pids
+    assert len(pids) == 2 and own_segments() == set()  # (unlinked once every rank mapped it)
+    llm.generate([[5, 6, 7]], GREEDY)
+    del llm
+    gc.collect()
+    assert wait_gone(pids, 10.0)
 
 
 @pytest.mark.parametrize("kw,message", [
