@@ -110,7 +110,7 @@ def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -
     """
     fp = {
         "architecture": model.architecture,
-        "num_layers": str(spec.num_layers),
+        "num_layers": str(model.num_layers),  # the model's (a pipeline rank's cache holds some of them)
         "num_kv_heads": str(model.num_kv_heads),
         "head_dim": str(spec.head_dim),
         "block_size": str(spec.block_size),
