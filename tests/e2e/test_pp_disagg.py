@@ -51,7 +51,7 @@ def reference(model, prompts):
 def _spec(model, prefill: dict, decode_tp: int, backend: str) -> dict:
     stage = {"replicas": 1, "resources": SLICE, "num_kv_blocks": 64, "tp_timeout_s": 10.0}
     return {"model": str(model), "mode": "disaggregated", "health": HEALTH,
-            "prefill": dict(stage, max_num_batched_tokens=256, **prefill),
+            "prefill": dict(stage, **{"max_num_batched_tokens": 256, **prefill}),
             "decode": dict(stage, tensor_parallel_size=decode_tp),
             "transfer": {"backend": backend, "options": {"lease_s": 20, "deadline_s": 30}}}
 
@@ -90,7 +90,7 @@ def test_a_pipeline_rank_killed_mid_prefill_ends_its_requests_within_the_bound(r
     replacement, or with an error), and the cluster serves again."""
     spec = _spec(model, {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32}, 1, "grpc")
     spec["prefill"]["tp_timeout_s"] = 5.0
-    long_prompts = random_prompts(6, 2000, [600], seed=7)
+    long_prompts = random_prompts(6, 2000, [400], seed=7)  # (the model's context is 512)
     with running_cluster(spec) as rc:
         victim = rank_pids(rc, "prefill-0")[1]
         results: dict[int, object] = {}
@@ -107,13 +107,18 @@ def test_a_pipeline_rank_killed_mid_prefill_ends_its_requests_within_the_bound(r
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(long_prompts))]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # the prompts are in their chunked prefill (32-token chunks of 600)
-        t_fault = time.monotonic()
+        deadline = time.monotonic() + 30
+        while {r.replica_id: r for r in rc.client.status().replicas}["prefill-0"].num_queued_prefill_tokens < 400:
+            assert time.monotonic() < deadline, "the prompts did not queue on the prefill replica"
+            time.sleep(0.02)
+        t_fault = time.monotonic()  # mid-prefill: most of the prompts' 32-token chunks still to run
         os.kill(victim, signal.SIGKILL)
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a request hung"
         assert len(results) == len(long_prompts)
+        # each ends with its tokens (migrated onto the replacement) or an error naming the loss
+        assert all(isinstance(r, Exception) or len(r) == 4 for r in results.values()), results
         for i in results:
             assert ends[i] - t_fault < 90, f"request {i} ended {ends[i] - t_fault:.1f} s after the fault"
         # the replica is replaced whole and serves again
@@ -127,4 +132,5 @@ def test_a_pipeline_rank_killed_mid_prefill_ends_its_requests_within_the_bound(r
                 time.sleep(1)
         assert len(out.token_ids) == 2
         assert victim not in rank_pids(rc, "prefill-0")
+        assert {r.replica_id: r for r in rc.client.status().replicas}["prefill-0"].num_restarts >= 1
         assert rc.wait_pools_free(timeout_s=30) == {rid: True for rid in rc.cluster.actors}
