@@ -282,8 +282,13 @@ class EngineConfig:
             if len(split) != pp:
                 raise ConfigError(f"pipeline_layer_split: {len(split)} counts for pipeline_parallel_size {pp}; "
                                   "give one per pipeline stage")
-        if pp != 1:  # (until the pipeline runner lands)
-            raise ConfigError(f"pipeline_parallel_size: {pp} is not supported yet; use 1")
+        if pp > 1 and (self.device != "cpu" or self.tp_backend not in ("auto", "shm")):
+            # (activations and logits cross the stages through the shared segment: engine.parallel.pipe)
+            raise ConfigError(f"pipeline_parallel_size: {pp} runs on device cpu with tp_backend shm (or auto) "
+                              f"only, for now; got device {self.device!r}, tp_backend {self.tp_backend!r}")
+        if pp > 1 and self.quantization != "none":
+            raise ConfigError(f"quantization: {self.quantization!r} is not supported with pipeline_parallel_size "
+                              f"{pp} yet; use 'none'")
         if self.tp_backend not in TP_BACKENDS:
             raise ConfigError(f"tp_backend: must be one of {TP_BACKENDS}, got {self.tp_backend!r}")
         if self.expert_placement not in EXPERT_PLACEMENTS:

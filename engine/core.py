@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ class StepOutput:
     new_token_ids: list[int]
 
 
+@dataclass
+class InFlightBatch:
+    """A batch launched down the pipeline (pipeline_parallel_size > 1), not yet back."""
+
+    sched: SchedulerOutput
+    handle: object  # engine.parallel.runner.InFlight
+    preemptions: list[int]  # each scheduled sequence's preemption count at launch
+
+
 class EngineCore:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
                  tp_group=None):
@@ -58,6 +68,9 @@ class EngineCore:
         shard = ShardLayout.for_engine(model_config, 0, config)
         if shard.is_sharded and tp_group is None:
             raise ConfigError("tensor_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
+        self.pp_size = pp = config.pipeline_parallel_size
+        if pp > 1 and tp_group is None:
+            raise ConfigError("pipeline_parallel_size: > 1 needs its group of ranks (engine.parallel.start_engine)")
         self.config = config
         self.model_config = model_config
         self.dtype_name = pick_dtype(config.dtype, config.device, config.quantization)
@@ -72,8 +85,15 @@ class EngineCore:
                                 comm=tp_group.comm if tp_group is not None else None,
                                 quantization=config.quantization)
         self.kv_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
-                                             num_kv_heads=shard.num_kv_heads)  # this rank's heads
-        num_blocks = config.num_kv_blocks or self.kv_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
+                                             num_kv_heads=shard.num_kv_heads,
+                                             num_layers=len(shard.layers))  # this rank's heads and layers
+        # every stage holds as many blocks: sized for the stage with the most layers
+        from engine.parallel.sharding import pipeline_layers
+
+        most = max(len(r) for r in pipeline_layers(model_config.num_layers, pp, config.pipeline_layer_split))
+        budget_spec = KVCacheSpec.for_model(model_config, config.block_size, self.dtype_name,
+                                            num_kv_heads=shard.num_kv_heads, num_layers=most)
+        num_blocks = config.num_kv_blocks or budget_spec.num_blocks_for_memory(config.kv_cache_memory_gb)
         # (a mixture of experts sizes its per-expert batches on the host: no graph capture)
         graphs = config.device.startswith("cuda") and not config.enforce_eager and not model_config.is_moe
         if graphs and tp_group is not None:
@@ -91,7 +111,15 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
         self.tp_group = tp_group
-        if tp_group is not None:
+        # pipeline parallelism: batches launched down the pipeline, oldest first, not yet collected, and
+        # the sequences whose sampling chunk is among them (never scheduled again until it is back)
+        self._in_flight: deque[InFlightBatch] = deque()
+        self._busy: set[str] = set()
+        if pp > 1:
+            from engine.parallel.runner import PPRunner
+
+            self.runner = PPRunner(self.model, self.kv_caches, config.block_size, config.seed, tp_group)
+        elif tp_group is not None:
             from engine.parallel.runner import TPRunner
 
             self.runner = TPRunner(self.model, self.kv_caches, config.block_size, config.seed, tp_group)
@@ -212,7 +240,7 @@ class EngineCore:
         self._compiling.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling) or bool(self._in_flight)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)
@@ -246,7 +274,16 @@ class EngineCore:
     def step(self, on_batch: Callable[[SchedulerOutput], LayerHook | None] | None = None) -> list[StepOutput]:
         """One schedule → execute → update round. ``on_batch`` sees the scheduled
         batch before the forward pass and may return a per-layer hook (the
-        prefill stage starts KV sends there)."""
+        prefill stage starts KV sends there).
+
+        With pipeline_parallel_size > 1 see `_step_pipelined`: a round may launch a batch and apply
+        an earlier one's tokens (or, filling the pipeline, return nothing). The hook then gets global
+        layer ids, each once per batch and in order: rank 0's own layers during its forward (at
+        launch), and each later stage's layers when rank 0 sees that stage's done counter reach the
+        batch (engine.parallel.pipe), while it waits for the batch's logits: a range's KV is written
+        on its rank by then, and leaves as soon as rank 0 is back from launching the next batch."""
+        if self.pp_size > 1:
+            return self._step_pipelined(on_batch)
         failed = self._start_compiled() if self._compiling else []
         with phase(SCHEDULE):
             sched = self.scheduler.schedule()
@@ -257,10 +294,12 @@ class EngineCore:
         layer_hook = on_batch(sched) if on_batch is not None else None
         sampled = self.runner.execute(sched.scheduled, layer_hook)
         self.num_steps += 1
+        return self._update(sched, sampled, failed)
+
+    def _update(self, sched: SchedulerOutput, sampled: dict, outputs: list[StepOutput]) -> list[StepOutput]:
         self.num_prompt_tokens_computed += sum(max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
                                                for s in sched.scheduled)
         now = time.monotonic()
-        outputs = failed
         with phase(UPDATE):
             for seq in self.scheduler.update(sched, sampled):
                 m = seq.metrics
@@ -272,6 +311,45 @@ class EngineCore:
                     self._seqs.pop(seq.request_id, None)
                 outputs.append(StepOutput(seq, [seq.output_token_ids[-1]]))
         return outputs
+
+    def _step_pipelined(self, on_batch) -> list[StepOutput]:
+        """One round with up to pipeline_parallel_size batches in flight (as vLLM's batch queue): launch
+        the next batch while the earlier ones are on later stages, and apply the oldest one's sampled
+        tokens once the pipeline is full or nothing more can be scheduled. A sequence whose batch
+        samples is not scheduled again until that batch is back (a decode is never in two batches);
+        a prompt's non-final chunk samples nothing, so its next chunk may follow it in at once. Each
+        batch takes at most 1/pp of the sequences, so that decodes fill every stage."""
+        failed = self._start_compiled() if self._compiling else []
+        launched = False
+        if len(self._in_flight) < self.pp_size:
+            with phase(SCHEDULE):
+                share = -(-self.scheduler.num_unfinished // self.pp_size)
+                sched = self.scheduler.schedule(self._busy, max(1, share))
+            if not sched.is_empty:
+                layer_hook = on_batch(sched) if on_batch is not None else None
+                batch = self.runner.launch(sched.scheduled, layer_hook)
+                for s in sched.scheduled:
+                    if s.samples:
+                        self._busy.add(s.seq.request_id)
+                    else:  # the next chunk may be scheduled behind this one
+                        s.seq.num_computed_tokens = s.start + s.num_new_tokens
+                self._in_flight.append(InFlightBatch(sched, batch, [s.seq.metrics.num_preemptions
+                                                                    for s in sched.scheduled]))
+                self.num_steps += 1
+                launched = True
+        if not self._in_flight:
+            if self._compiling and not failed:  # only grammars to wait for: give their thread the GIL
+                wait([f for _, f, _ in self._compiling.values()], timeout=0.002, return_when=FIRST_COMPLETED)
+            return failed
+        if launched and len(self._in_flight) < self.pp_size:
+            return failed  # room for one more batch first
+        done = self._in_flight.popleft()
+        sampled = self.runner.collect(done.handle)
+        for s in done.handle.samplers:
+            self._busy.discard(s.seq.request_id)
+        # a sequence preempted while its batch was in the pipeline starts over: drop what came back
+        kept = [s for s, m in zip(done.sched.scheduled, done.preemptions) if s.seq.metrics.num_preemptions == m]
+        return self._update(SchedulerOutput(kept), sampled, failed)
 
     def _start_compiled(self) -> list[StepOutput]:
         """Sequences whose grammar compiled join the scheduler, the state rebuilt

@@ -284,7 +284,8 @@ class NativeOps(TorchOps):
         layers = [[L.in_norm, L.post_norm, L.qkv_w.data, _or(L.qkv_b, empty), L.o_w.data, L.gate_up_w.data,
                    L.down_w.data, _or(L.q_norm, empty), _or(L.k_norm, empty)] for L in model.layers]
         cfg = model.cfg
-        return self.ext.FusedDecoder(layers, model.norm, model.rotary.cos, model.rotary.sin, cfg.num_heads,
+        # (no final norm on a pipeline stage before the last: it returns the residual stream)
+        return self.ext.FusedDecoder(layers, _or(model.norm, empty), model.rotary.cos, model.rotary.sin, cfg.num_heads,
                                      cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
 
     # The elementwise kernels run for every batch, so a decode batch computes the

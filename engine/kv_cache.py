@@ -40,9 +40,11 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, model: ModelConfig, block_size: int, dtype: str,
-                  num_kv_heads: int | None = None) -> "KVCacheSpec":
-        """``num_kv_heads``: the heads one tensor-parallel rank holds (default: all of them)."""
-        return cls(model.num_layers, num_kv_heads or model.num_kv_heads, model.head_dim, block_size, dtype)
+                  num_kv_heads: int | None = None, num_layers: int | None = None) -> "KVCacheSpec":
+        """``num_kv_heads``: the heads one tensor-parallel rank holds; ``num_layers``: the layers one
+        pipeline stage holds (default: all of them)."""
+        return cls(num_layers or model.num_layers, num_kv_heads or model.num_kv_heads, model.head_dim, block_size,
+                   dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
@@ -108,7 +110,7 @@ def model_fingerprint(model: ModelConfig, spec: KVCacheSpec, tp_size: int = 1) -
     """
     fp = {
         "architecture": model.architecture,
-        "num_layers": str(spec.num_layers),
+        "num_layers": str(model.num_layers),  # the model's (a pipeline rank's cache holds some of them)
         "num_kv_heads": str(model.num_kv_heads),
         "head_dim": str(spec.head_dim),
         "block_size": str(spec.block_size),

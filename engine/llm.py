@@ -40,6 +40,8 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_layer_split: list[int] | tuple[int, ...] | None = None,
         tp_backend: str = "auto",
         tp_timeout_s: float = 60.0,
         kernel_isa: str = "auto",
@@ -57,7 +59,10 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, tp_backend=tp_backend, tp_timeout_s=tp_timeout_s,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_layer_split=tuple(pipeline_layer_split) if isinstance(pipeline_layer_split, list)
+            else pipeline_layer_split,
+            tp_backend=tp_backend, tp_timeout_s=tp_timeout_s,
             kernel_isa=kernel_isa, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
             expert_placement=expert_placement, moe_dispatch=moe_dispatch)
         config.validate()
@@ -66,7 +71,7 @@ class LLM:
             self.tokenizer = Tokenizer.from_folder(self.model_dir)
         except TokenizerError:
             self.tokenizer = None  # a bare checkpoint: prompts must be token ids, outputs have no text
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from engine.parallel import start_engine
 
             self.core = start_engine(self.model_dir, config)  # ranks 1..N-1 in processes of their own

@@ -11,7 +11,13 @@ Tensor parallelism is applied from outside: the weights come already cut by
 `engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
-gather of the vocab-parallel logits). At TP=1 both are no-ops. A sparse layer's
+gather of the vocab-parallel logits). At TP=1 both are no-ops.
+Pipeline parallelism too: `shard.layers` names the contiguous global layers this
+rank builds (the embedding only on the first stage, the final norm and LM head
+only on the last), and ``forward`` of a later stage takes the previous stage's
+residual stream (``hidden``) instead of token ids and returns its own (the final
+normed hidden states on the last stage). Layer ids stay global in the weights'
+names and in the layer hook; ``kv_caches`` holds this rank's layers only. A sparse layer's
 MLP output is this rank's partial sum (its experts, or its columns of every
 expert) and takes the same one all-reduce as the dense MLP's down_proj.
 
@@ -107,14 +113,19 @@ class LlamaModel:
         self.q_size = shard.num_heads * cfg.head_dim  # this rank's heads
         self.kv_size = shard.num_kv_heads * cfg.head_dim
         w = _WeightTaker(weights, dtype, self.device)
-        self.embed = w.take("model.embed_tokens.weight", (shard.vocab_shard, cfg.hidden_size))
+        layers = shard.layers if shard.layers is not None else range(cfg.num_layers)
+        self.layer_start = layers.start  # global id of self.layers[0]
+        self.is_first_stage, self.is_last_stage = shard.is_first_stage, shard.is_last_stage
+        tied_here = self.is_last_stage and cfg.tie_word_embeddings and "lm_head.weight" not in weights
+        self.embed = (w.take("model.embed_tokens.weight", (shard.vocab_shard, cfg.hidden_size))
+                      if self.is_first_stage or tied_here else None)
         self.layers: list[Layer] = []
         self.moe: list[MoEBlock | None] = [None] * cfg.num_layers  # a sparse layer's MLP
         # tokens routed to each expert, per sparse layer, since the model was built (EngineCore.expert_load)
         self.expert_counts = torch.zeros(len(cfg.moe_layers), max(cfg.num_experts, 1), dtype=torch.int64)
         sparse = set(cfg.moe_layers)
         H, I = cfg.hidden_size, shard.intermediate_size
-        for i in range(cfg.num_layers):
+        for i in layers:
             p = f"model.layers.{i}."
             L = Layer()
             L.in_norm = w.take(p + "input_layernorm.weight", (H,))
@@ -146,19 +157,21 @@ class LlamaModel:
             else:
                 L.q_norm = L.k_norm = None
             self.layers.append(L)
-        self.norm = w.take("model.norm.weight", (H,))
-        if "lm_head.weight" in weights:
-            self.lm_head = w.take("lm_head.weight", (shard.vocab_shard, H))
-        elif cfg.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
+        self.norm = self.lm_head = None  # (a pipeline stage before the last)
+        if self.is_last_stage:
+            self.norm = w.take("model.norm.weight", (H,))
+            if "lm_head.weight" in weights:
+                self.lm_head = w.take("lm_head.weight", (shard.vocab_shard, H))
+            elif cfg.tie_word_embeddings:
+                self.lm_head = self.embed
+            else:
+                raise ConfigError("checkpoint: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         if quantization == "none" and any(isinstance(t, QuantRows) for t in weights.values()):
             raise ConfigError("checkpoint: holds quantized weights (read for quantization 'gguf'), "
                               "but quantization is 'none'")
         self.select_kernels(kernel_isa if use_kernels else "none")
-        if self.device.type == "cpu" and not isinstance(self.lm_head, (PackedWeight, QuantWeight)):
+        if self.device.type == "cpu" and not isinstance(self.layers[0].qkv_w, (PackedWeight, QuantWeight)):
             self._to_huge_pages()  # (packed and quantized weights moved there when they were made)
 
     def select_kernels(self, kernel_isa: str) -> None:
@@ -173,20 +186,22 @@ class LlamaModel:
                 self._quantize_matmul_weights()
                 if self.device.type == "cpu":
                     self._to_huge_pages()
-            self.fused = None if self.shard.is_sharded else self.ops.fused_decoder(self)
+            self.fused = None if self.shard.is_sharded or self.shard.pp_size > 1 else self.ops.fused_decoder(self)
             return
         ops = make_ops(self.dtype, self.device, isa=kernel_isa)
-        packed = isinstance(self.lm_head, PackedWeight)
+        packed = isinstance(self.layers[0].qkv_w, PackedWeight)
         if packed and not ops.packs_weights:
             raise ValueError(f"kernel_isa: {kernel_isa!r} cannot run a model whose weights are packed")
         self.ops = ops
         if ops.packs_weights and not packed:
             self._pack_matmul_weights()
-            if self.device.type == "cpu" and isinstance(self.lm_head, PackedWeight):
+            if self.device.type == "cpu" and isinstance(self.layers[0].qkv_w, PackedWeight):
                 self._to_huge_pages()
         # None: every batch takes the per-op path. FusedDecoder runs the whole stack in one native call,
         # which cannot all-reduce inside it, so a sharded model runs NativeOps.linear etc. on its shards;
         # nor route tokens to experts, so a mixture of experts does too
+        # (a pipeline stage runs its layers fused: it takes the previous stage's hidden states, and one
+        # before the last returns its residual stream)
         self.fused = None if self.shard.is_sharded or self.cfg.is_moe else ops.fused_decoder(self)
 
     def _pack_matmul_weights(self) -> None:
@@ -194,7 +209,8 @@ class LlamaModel:
         replacing the [N, K] tensors: every matmul, prefill included, runs on the packed
         copy, so the weights are held once. Tied embeddings are looked up in the packed
         LM head (`embed_tokens`)."""
-        ks = [w.shape[1] for L in self.layers for w in (L.o_w, L.down_w) if w is not None] + [self.lm_head.shape[1]]
+        ks = [w.shape[1] for L in self.layers for w in (L.o_w, L.down_w) if w is not None]
+        ks += [self.lm_head.shape[1]] if self.lm_head is not None else []
         ks += [w.shape[1] for m in self.moe if m is not None for w in m.down_w + [m.shared_down_w] if w is not None]
         if any(k % 2 for k in ks):
             return  # the kernel pairs k; an odd size keeps torch's matmul
@@ -205,6 +221,8 @@ class LlamaModel:
         for m in self.moe:
             if m is not None:
                 m.map_weights(PackedWeight.pack)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return
         tied = self.lm_head is self.embed
         self.lm_head = PackedWeight.pack(self.lm_head)
         if tied:
@@ -262,7 +280,8 @@ class LlamaModel:
         meta: BatchMetadata,
         kv_caches: list[torch.Tensor],
         layer_hook: LayerHook | None = None,
-    ) -> torch.Tensor:  # [T, hidden]
+        hidden: torch.Tensor | None = None,  # [T, hidden]: the previous pipeline stage's residual stream
+    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, the residual stream before it
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         T = input_ids.shape[0]
@@ -270,14 +289,17 @@ class LlamaModel:
         ops, all_reduce = self.ops, self.comm.all_reduce
         if (self.fused is not None and not meta.prefills and layer_hook is None and T <= MAX_FUSED_ROWS):
             # a batch of decode tokens only: the whole stack in one native call
-            return self.fused.forward(self.embed_tokens(input_ids), positions, meta.slot_blocks,
+            return self.fused.forward(self.embed_tokens(input_ids) if hidden is None else hidden, positions,
+                                      meta.slot_blocks,
                                       meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens,
                                       kv_caches, torch.get_num_threads())
         linear = ops.linear
         rope = ops.rope(self.rotary, positions)
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, H]
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
-        for i, L in enumerate(self.layers):
+        first = self.layer_start
+        for j, L in enumerate(self.layers):
+            i = first + j  # the global layer id
             qkv = linear(h, L.qkv_w)
             if L.qkv_b is not None:
                 qkv = qkv + L.qkv_b
@@ -288,7 +310,7 @@ class LlamaModel:
                                 F.rms_norm(qk[:, nh:], (hd,), L.k_norm, eps)], dim=1)
             qk = rope(qk)  # q and k rotated in one pass
             q, k = qk[:, :nh], qk[:, nh:]
-            attn = paged_attention(q, k, v, kv_caches[i], meta, self.scale, ops.decode_attention)  # [T, nh, hd]
+            attn = paged_attention(q, k, v, kv_caches[j], meta, self.scale, ops.decode_attention)  # [T, nh, hd]
             if layer_hook is not None:
                 layer_hook(i)
             # row-parallel o_proj and down_proj: partial sums, one all-reduce each
@@ -300,7 +322,9 @@ class LlamaModel:
                 partial, counts = moe.forward(h, ops)
                 self.expert_counts[cfg.moe_layers.index(i)] += counts
                 mlp = self.moe_combine(partial)
-            next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            if j + 1 == len(self.layers) and not self.is_last_stage:
+                return x + mlp  # the residual stream, for the next stage
+            next_norm = self.layers[j + 1].in_norm if j + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h
 

@@ -87,11 +87,14 @@ class ModelRunner:
         if not samplers:
             return {}
         with phase(SAMPLE):
-            logits = self.model.compute_logits(hidden[sample_rows])  # [len(samplers), V]
-            guided = [i for i, s in enumerate(samplers) if s.seq.grammar is not None]
-            if guided:
-                apply_masks(logits, [samplers[i].seq.grammar for i in guided], guided)
-            tokens, infos = self.sampler(
-                logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers],
-                [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers])
+            return self.sample(samplers, self.model.compute_logits(hidden[sample_rows]))
+
+    def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, tuple[int, dict | None]]:
+        """The sampling sequences' next tokens from their logits rows ([len(samplers), V])."""
+        guided = [i for i, s in enumerate(samplers) if s.seq.grammar is not None]
+        if guided:
+            apply_masks(logits, [samplers[i].seq.grammar for i in guided], guided)
+        tokens, infos = self.sampler(
+            logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers],
+            [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

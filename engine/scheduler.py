@@ -77,14 +77,18 @@ class Scheduler:
             s.num_tokens - s.num_computed_tokens - 1 for s in self.running
             if s.num_tokens - s.num_computed_tokens > 1)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: set[str] | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next batch. With pipeline parallelism (engine.core keeps batches in flight):
+        ``busy``, the ids of sequences whose sampling batch is still in the pipeline, which are
+        skipped; ``max_seqs``, at most that many sequences in this batch."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        limit = max_seqs or self.config.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or (busy and seq.request_id in busy):
                 i += 1
                 continue
             while not self.kv.grow(seq, seq.num_computed_tokens + n):
@@ -101,8 +105,11 @@ class Scheduler:
             break  # seq itself was preempted: nothing after it remains in running
         if not out.preempted:
             forks: list[Sequence] = []  # waiting for a sibling to compute the prompt they share
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+                   and len(out.scheduled) < limit):
                 seq = self.waiting[0]
+                if busy and seq.request_id in busy:  # preempted while in the pipeline: once it is back
+                    break
                 fresh = not seq.block_ids
                 if fresh and not self.kv.admit(seq):
                     forks.append(self.waiting.popleft())
@@ -141,7 +148,8 @@ class Scheduler:
             seq = s.seq
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens = s.start + s.num_new_tokens
+            # (max: a later chunk of the same prompt may already be in the pipeline, engine.core)
+            seq.num_computed_tokens = max(seq.num_computed_tokens, s.start + s.num_new_tokens)
             self.kv.cache_full_blocks(seq)
             if not s.samples:
                 continue

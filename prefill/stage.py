@@ -136,10 +136,13 @@ class PrefillStage(StageLoop):
         job.ticket = ticket
         if job.first_token is not None:  # computed already: send it whole now
             self._start_send(job)
-            for layer in range(self.sender.layout.num_layers):  # every global layer (PP: not only rank 0's)
-                self.sender.push_layer(request_id, layer)
+            self._push_every_layer(request_id)
             with phase(KV_COMMIT):
                 self.sender.commit(request_id, job.first_token)
+
+    def _push_every_layer(self, request_id: str) -> None:
+        for layer in range(self.sender.layout.num_layers):  # every global layer (PP: not only rank 0's)
+            self.sender.push_layer(request_id, layer)
 
     def _start_send(self, job: _Job) -> None:
         seq = job.seq
@@ -188,9 +191,10 @@ class PrefillStage(StageLoop):
         start their transfer now, with the layers written so far, and the
         rest follow layer by layer (the ticket usually comes a moment after
         the prompt, once the pass has begun)."""
-        with self._tickets_lock:
-            arrived = [(job, self._tickets_in.pop(job.seq.request_id)) for job in waiting
-                       if job.seq.request_id in self._tickets_in]
+        with self._tickets_lock:  # (pipeline parallelism: an Attach handled while the batch was in the
+            # pipeline set job.ticket already)
+            arrived = [(job, self._tickets_in.pop(job.seq.request_id, None) or job.ticket) for job in waiting
+                       if job.seq.request_id in self._tickets_in or job.ticket is not None]
         for job, ticket in arrived:
             waiting.remove(job)
             job.ticket = ticket
@@ -214,9 +218,13 @@ class PrefillStage(StageLoop):
                 if out.seq.status != SequenceStatus.FINISHED_LENGTH:
                     continue
                 job.ch.send(self._first_token(out.seq, out.new_token_ids[0]))  # ahead of the transfer
-                if not job.sending:  # no ticket yet: _attach sends it
-                    job.first_token = out.new_token_ids[0]
-                    continue
+                if not job.sending:
+                    if job.ticket is None:  # no ticket yet: _attach sends it
+                        job.first_token = out.new_token_ids[0]
+                        continue
+                    # the ticket came while the batch was in the pipeline, after its last layer hook
+                    self._start_send(job)
+                    self._push_every_layer(out.seq.request_id)
                 with phase(KV_COMMIT):
                     self.sender.commit(out.seq.request_id, out.new_token_ids[0])
             busy = True

@@ -70,8 +70,10 @@ class FusedDecoder {
     }
   }
 
-  // x: [M, H] embeddings of the M decode tokens (E); returns the final
-  // normed hidden states [M, H]. positions, slot_blocks, slot_offsets: [M];
+  // x: [M, H] embeddings of the M decode tokens (E), or a previous pipeline
+  // stage's residual stream; returns the final normed hidden states [M, H], or
+  // with an empty final norm (a pipeline stage before the last) the residual
+  // stream after its last layer. positions, slot_blocks, slot_offsets: [M];
   // tables [M, maxnb] and lens [M] (context including the new token), int64.
   torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions, const torch::Tensor& slot_blocks,
                         const torch::Tensor& slot_offsets, const torch::Tensor& tables, const torch::Tensor& lens,
@@ -98,6 +100,7 @@ class FusedDecoder {
     const E* cosp = cos_.data_ptr<E>();
     const E* sinp = sin_.data_ptr<E>();
 
+    const bool residual_out = final_norm_.numel() == 0;
     add_rms_norm(xp, nullptr, layers_[0].in_norm.template data_ptr<E>(), hp, M, H, eps_, threads);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
@@ -125,10 +128,13 @@ class FusedDecoder {
       L.gate_up(hp, gup, M, threads);
       silu_mul(gup, actp, M, I, threads);
       L.down(actp, projp, M, threads);
-      const torch::Tensor& next = li + 1 < layers_.size() ? layers_[li + 1].in_norm : final_norm_;
+      // (no final norm: x += proj all the same; the h normed with layer 0's weight goes unused)
+      const torch::Tensor& next = li + 1 < layers_.size() ? layers_[li + 1].in_norm
+                                  : residual_out          ? layers_[0].in_norm
+                                                          : final_norm_;
       add_rms_norm(xp, projp, next.data_ptr<E>(), hp, M, H, eps_, threads);
     }
-    return h;
+    return residual_out ? x : h;
   }
 
  private:

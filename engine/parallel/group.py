@@ -1,11 +1,15 @@
 """Rank 0's handle on a tensor-parallel group on one host: the worker processes, the
-shared segment, the collectives, and their teardown.
+shared segment, the collectives, and their teardown. With pipeline parallelism the group
+holds pp * tp ranks (rank = pp_rank * tp + tp_rank): every stage a tensor-parallel group
+of its own inside the one segment, the stages handing activations on through it
+(engine.parallel.pipe); `rank_layers` says each rank's global layers.
 
     group = TPGroup(model_dir, config, model_config)   # creates the segment, starts ranks 1..N-1
     ... rank 0 builds its own shard of the model (EngineCore) ...
     group.finish_start(num_blocks, kv_caches)          # every rank maps its cache; all ready
-    group.rank_kv_caches()                             # rank -> layer -> KV tensor (for the KV transfer;
-                                                       #   CPU: shared files, CUDA: IPC handles)
+    group.rank_kv_caches()                             # rank -> its local layer -> KV tensor (for the KV
+                                                       #   transfer; CPU: shared files, CUDA: IPC handles)
+    group.rank_layers()                                # rank -> its global layers (range)
     group.send_step(payload)                           # once per step (engine.parallel.step)
     group.close()                                      # STOP, join; or abort and kill
 
@@ -29,10 +33,11 @@ import time
 import weakref
 
 from engine.config import EngineConfig, ModelConfig
-from engine.parallel.comm import CollectiveError, dist_collectives
+from engine.parallel.comm import SINGLE, CollectiveError, dist_collectives
 from engine.parallel.devices import cuda_device_count, rank_device
 from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.kv_shm import create_kv_segment, kv_segment_path, map_kv_cache, unlink_kv_segment
+from engine.parallel.pipe import StageChannel
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
@@ -46,18 +51,20 @@ JOIN_TIMEOUT_S = 5.0
 
 
 def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLayout:
-    tp = config.tensor_parallel_size
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     shard = ShardLayout.for_engine(model_config, 0, config)
     max_len = config.max_model_len or model_config.max_position_embeddings
     max_blocks = -(-max_len // config.block_size)
     rows = max(config.max_num_seqs, 1)
     # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
     ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
+    pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4,
+                ret_bytes=rows * model_config.vocab_size * 4) if pp > 1 else {}
     return SegmentLayout.make(
-        tp,
+        pp * tp,
         ar_bytes=min(config.max_num_batched_tokens * model_config.hidden_size * 4, 16 << 20),
         gather_bytes=min(rows * shard.vocab_shard * 4, 16 << 20),
-        ctrl_bytes=8 * ctrl_ints)
+        ctrl_bytes=8 * ctrl_ints, **pipe)
 
 
 def threads_per_rank(tp: int) -> int:
@@ -110,7 +117,11 @@ class _State:
         try:
             if self.shm is not None:
                 if self.is_healthy:
-                    self.shm.send(stop_message())
+                    try:
+                        self.shm.send(stop_message())
+                    except CollectiveError:  # a rank went between steps
+                        self.is_healthy = False
+                        self.shm.abort()
                 else:
                     self.shm.abort()
             # an aborted worker exits as soon as it sees the flag; one that does not is stuck or stopped
@@ -143,8 +154,9 @@ class _State:
 class TPGroup:
     def __init__(self, model_dir: str, config: EngineConfig, model_config: ModelConfig,
                  launcher: RankLauncher | None = None):
-        tp = config.tensor_parallel_size
-        self.size = tp
+        world = config.tensor_parallel_size * config.pipeline_parallel_size  # every rank of the replica
+        self.size = world
+        self.tp_size = config.tensor_parallel_size
         self.config, self.model_config = config, model_config
         self.layout = segment_layout(config, model_config)
         self.state = state = _State(create_segment(self.layout))
@@ -156,26 +168,29 @@ class TPGroup:
             isolated = launcher.isolates_devices
             launcher.see_devices(config.device)
             if config.device.startswith("cuda"):  # every rank's GPU exists (offline: refused naming both counts)
-                self.device = rank_device(config.device, 0, tp, cuda_device_count(), isolated)
-                rank_device(config.device, tp - 1, tp, cuda_device_count(), isolated)
+                self.device = rank_device(config.device, 0, world, cuda_device_count(), isolated)
+                rank_device(config.device, world - 1, world, cuda_device_count(), isolated)
             else:
                 self.device = config.device
             init = f"tcp://127.0.0.1:{_free_port()}" if backend in ("gloo", "nccl") else None
-            threads = launcher.num_threads or threads_per_rank(tp)
-            specs = [WorkerSpec(rank, tp, str(model_dir), config, state.segment, self.layout, threads, init,
-                                is_oversubscribed(tp), devices_isolated=isolated) for rank in range(1, tp)]
+            threads = launcher.num_threads or threads_per_rank(world)
+            specs = [WorkerSpec(rank, world, str(model_dir), config, state.segment, self.layout, threads, init,
+                                is_oversubscribed(world), devices_isolated=isolated) for rank in range(1, world)]
             for p, conn in launcher.start(specs, config.tp_timeout_s + 60.0):
                 state.procs.append(p)
                 state.conns.append(conn)
             procs = state.procs  # (not self: the finalizer must not keep the group alive)
             state.shm = ShmGroup(state.segment, self.layout, 0, config.tp_timeout_s,
                                  peers_alive=lambda: all(p.exitcode is None for p in procs),
-                                 oversubscribed=is_oversubscribed(tp))
+                                 oversubscribed=is_oversubscribed(world), group=range(self.tp_size))
             self._await(Attached, config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
             if init is not None:
-                state.dist = dist_collectives(backend, 0, tp, init, config.tp_timeout_s, self.device)
-            self.comm = state.dist or state.shm
+                state.dist = dist_collectives(backend, 0, world, init, config.tp_timeout_s, self.device)
+            # the model's collectives: over its stage's ranks (none with one rank a stage)
+            self.comm = state.dist or (state.shm if self.tp_size > 1 else SINGLE)
+            # rank 0's end of the stages' hand-offs (engine.parallel.pipe)
+            self.pipe = StageChannel(state.shm, 0) if config.pipeline_parallel_size > 1 else None
             import torch
 
             state.num_threads = torch.get_num_threads()
@@ -248,8 +263,14 @@ class TPGroup:
         from engine.kv_cache import KVCacheSpec
 
         dtype = pick_dtype(self.config.dtype, self.config.device)
-        heads = ShardLayout.for_rank(self.model_config, rank, self.size).num_kv_heads
-        return KVCacheSpec.for_model(self.model_config, self.config.block_size, dtype, num_kv_heads=heads)
+        shard = ShardLayout.for_engine(self.model_config, rank, self.config)
+        return KVCacheSpec.for_model(self.model_config, self.config.block_size, dtype,
+                                     num_kv_heads=shard.num_kv_heads, num_layers=len(shard.layers))
+
+    def rank_layers(self) -> list[range]:
+        """rank -> the global layers its cache and weights hold (all of them at pipeline_parallel_size 1);
+        `rank_kv_caches()[r][j]` is layer `rank_layers()[r][j]`."""
+        return [ShardLayout.for_engine(self.model_config, r, self.config).layers for r in range(self.size)]
 
     def _import_kv_caches(self, num_blocks: int, ready: list[Ready]) -> list[list] | None:
         """CUDA: open each worker's exported cache (engine.parallel.kv_ipc). One that rank 0 cannot
@@ -281,7 +302,8 @@ class TPGroup:
         return mapped
 
     def rank_kv_caches(self) -> list[list]:
-        """rank -> layer -> that rank's KV cache tensor (``[num_blocks, 2, block_size, its heads, head_dim]``),
+        """rank -> its local layer (`rank_layers`) -> that rank's KV cache tensor
+        (``[num_blocks, 2, block_size, its heads, head_dim]``),
         rank 0's own and the others' mapped from their shared memory (CPU) or opened from their CUDA IPC
         handles (each on its rank's GPU): what the replica's one KV transfer endpoint reads (prefill) or
         writes (decode). Valid while the group is up."""
@@ -326,8 +348,17 @@ class TPGroup:
                 if p.exitcode is not None]
         return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else None
 
-    def worker_error(self) -> str | None:
-        """The first error a worker reported, if any (after a failed collective)."""
+    def worker_error(self, wait_s: float = 0.0) -> str | None:
+        """The first error a worker reported, if any (after a failed collective), waiting up to
+        ``wait_s`` for one (a rank that aborted the group reports why just after)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            cause = self._worker_error()
+            if cause is not None or time.monotonic() >= deadline:
+                return cause
+            time.sleep(0.01)
+
+    def _worker_error(self) -> str | None:
         for rank, conn in enumerate(self.state.conns, start=1):
             try:
                 if conn.poll(0):

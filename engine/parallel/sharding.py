@@ -125,16 +125,27 @@ class ShardLayout:
     moe_intermediate_size: int = 0  # MoE: columns of each held expert on this rank
     shared_intermediate_size: int = 0  # Qwen2-MoE: columns of the shared expert on this rank
     expert_parallel: bool = False
+    # pipeline parallelism: this rank's stage and its global layers (all of them at pp 1); the
+    # embedding lives on the first stage, the final norm and the LM head on the last
+    layers: range | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @classmethod
     def for_engine(cls, cfg: ModelConfig, rank: int, config) -> ShardLayout:
-        """The layout of `rank` under an EngineConfig's parallelism settings."""
-        return cls.for_rank(cfg, rank, config.tensor_parallel_size, config.enable_expert_parallel,
-                            config.expert_placement)
+        """The layout of global rank `rank` (= pp_rank * tp + tp_rank) under an EngineConfig's
+        parallelism settings."""
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        pp_rank, tp_rank = divmod(rank, tp)
+        layers = pipeline_layers(cfg.num_layers, pp, config.pipeline_layer_split)[pp_rank]
+        return cls.for_rank(cfg, tp_rank, tp, config.enable_expert_parallel, config.expert_placement,
+                            layers=layers, pp_rank=pp_rank, pp_size=pp)
 
     @classmethod
     def for_rank(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False,
-                 expert_placement: str = "contiguous") -> ShardLayout:
+                 expert_placement: str = "contiguous", layers: range | None = None, pp_rank: int = 0,
+                 pp_size: int = 1) -> ShardLayout:
+        """`rank` is the rank inside its tensor-parallel group (of `size`)."""
         check_tensor_parallel(cfg, size, expert_parallel)
         nh = cfg.num_heads // size
         kv0, nkv = kv_heads_of(cfg.num_kv_heads, rank, size)
@@ -147,11 +158,21 @@ class ShardLayout:
                        moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else size),
                        shared_intermediate_size=cfg.shared_expert_intermediate_size // size, expert_parallel=ep)
         return cls(rank, size, nh, nkv, rank * nh, kv0, cfg.intermediate_size // size,
-                   rank * vs, vs, cfg.vocab_size, **moe)
+                   rank * vs, vs, cfg.vocab_size, **moe,
+                   layers=layers if layers is not None else range(cfg.num_layers), pp_rank=pp_rank, pp_size=pp_size)
 
     @property
     def is_sharded(self) -> bool:
+        """Tensor-parallel: heads, columns and vocabulary cut across ranks."""
         return self.size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def kv_head_range(self) -> tuple[int, int]:
@@ -180,8 +201,13 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
     vocab = WeightShard(0, min(v0, cfg.vocab_size), min(v0 + layout.vocab_shard, cfg.vocab_size),
                         pad_to=layout.vocab_shard)
     whole = WeightShard(None)
-    plan = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab, "model.norm.weight": whole}
-    for i in range(cfg.num_layers):
+    plan = {}
+    if layout.is_first_stage or (layout.is_last_stage and cfg.tie_word_embeddings):
+        plan["model.embed_tokens.weight"] = vocab  # (the last stage's LM head, where tied)
+    if layout.is_last_stage:
+        plan.update({"lm_head.weight": vocab, "model.norm.weight": whole})
+    layers = layout.layers if layout.layers is not None else range(cfg.num_layers)
+    for i in layers:
         p = f"model.layers.{i}."
         plan.update({
             p + "input_layernorm.weight": whole,
@@ -201,6 +227,8 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
         if cfg.qk_norm:
             plan.update({p + "self_attn.q_norm.weight": whole, p + "self_attn.k_norm.weight": whole})
     for i in cfg.moe_layers:
+        if i not in layers:
+            continue
         p = f"model.layers.{i}."
         for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
             del plan[p + name]
@@ -278,7 +306,7 @@ def load_shard(folder: str | Path, layout: ShardLayout, dtype: torch.dtype = tor
             raise CheckpointError(f"{folder}: {e}") from e
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
-    if "lm_head.weight" not in out and not cfg.tie_word_embeddings:
+    if layout.is_last_stage and "lm_head.weight" not in out and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{folder}: tensor 'lm_head.weight' is missing and config.json does not set "
                               "tie_word_embeddings")
     missing = [n for n in plan if n not in out and n != "lm_head.weight"]

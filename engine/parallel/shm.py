@@ -14,8 +14,12 @@ flag, which x86's memory model keeps; another ISA would need fences (a C++
 helper with std::atomic).
 
 The same segment carries rank 0's per-step control message to the other
-ranks (`send` / `recv`: a payload, its length, a sequence number) and the
-logits gather.
+ranks (`send` / `recv`: a ring of `ctrl_slots` payloads, each rank acknowledging
+what it read, so rank 0 may run ahead of a later pipeline stage by that many
+steps) and the logits gather. With pipeline parallelism the ranks are split
+into tensor-parallel groups of `tp` (one per stage): each all-reduces and gathers
+within its own group (`ShmGroup`'s ``group``), on its own ranks' flags and slots,
+and the segment also holds the hand-offs between stages (engine.parallel.pipe).
 
 Waiting spins for 10 µs, then yields the CPU, then sleeps in short naps, so
 ranks that share cores with each other (or with other work) still progress;
@@ -59,29 +63,64 @@ class SegmentLayout:
     ar_bytes: int  # one rank's all-reduce slot (larger tensors are reduced in chunks)
     gather_bytes: int  # one rank's logits slot (larger gathers go in row chunks)
     ctrl_bytes: int  # the control message's capacity
+    # pipeline parallelism (engine.parallel.pipe): `pp` stages of `tp` ranks each (pp * tp == size)
+    pp: int = 1
+    ctrl_slots: int = 1  # control messages rank 0 may have out before every rank read the oldest
+    act_bytes: int = 0  # one hand-off slot of a boundary (a batch's hidden states)
+    ret_bytes: int = 0  # one return slot (a batch's logits rows, last stage -> rank 0)
+    pipe_slots: int = 2  # slots per boundary and for the return: double-buffered
 
-    # flag slots, in int64 units: [AR rank 0..n) [GATHER rank 0..n) ABORT CTRL_SEQ CTRL_LEN
+    @property
+    def tp(self) -> int:
+        return self.size // self.pp
+
+    # flag slots, in int64 units, each on its own line: [AR rank 0..n) [GATHER rank 0..n) ABORT CTRL_SEQ
+    # [CTRL_LEN slot 0..ctrl_slots) [CTRL_ACK rank 0..n) [ACT_SEQ boundary 0..pp-1)
+    # [ACT_ACK boundary x tp rank) RET_SEQ RET_ACK [DONE stage 0..pp)
+    @staticmethod
+    def _line(i: int) -> int:
+        return i * (_LINE // 8)
+
     def ar_flag(self, r: int) -> int:
-        return r * (_LINE // 8)
+        return self._line(r)
 
     def gather_flag(self, r: int) -> int:
-        return (self.size + r) * (_LINE // 8)
+        return self._line(self.size + r)
 
     @property
     def abort_flag(self) -> int:
-        return 2 * self.size * (_LINE // 8)
+        return self._line(2 * self.size)
 
     @property
     def ctrl_seq(self) -> int:
-        return self.abort_flag + _LINE // 8
+        return self._line(2 * self.size + 1)
+
+    def ctrl_len(self, slot: int) -> int:
+        return self._line(2 * self.size + 2 + slot)
+
+    def ctrl_ack(self, r: int) -> int:
+        return self._line(2 * self.size + 2 + self.ctrl_slots + r)
+
+    def act_seq(self, boundary: int) -> int:
+        return self._line(3 * self.size + 2 + self.ctrl_slots + boundary)
+
+    def act_ack(self, boundary: int, tp_rank: int) -> int:
+        return self._line(3 * self.size + 1 + self.ctrl_slots + self.pp + boundary * self.tp + tp_rank)
 
     @property
-    def ctrl_len(self) -> int:
-        return self.abort_flag + 2 * (_LINE // 8)
+    def ret_seq(self) -> int:
+        return self._line(3 * self.size + 1 + self.ctrl_slots + self.pp + (self.pp - 1) * self.tp)
+
+    @property
+    def ret_ack(self) -> int:
+        return self.ret_seq + self._line(1)
+
+    def stage_done(self, stage: int) -> int:
+        return self.ret_seq + self._line(2 + stage)
 
     @property
     def flags_bytes(self) -> int:
-        return _round((2 * self.size + 3) * _LINE, _PAGE)
+        return _round(self.stage_done(self.pp) * 8, _PAGE)
 
     def ar_offset(self, parity: int, r: int) -> int:
         return self.flags_bytes + (parity * self.size + r) * self.ar_bytes
@@ -89,17 +128,26 @@ class SegmentLayout:
     def gather_offset(self, r: int) -> int:
         return self.flags_bytes + 2 * self.size * self.ar_bytes + r * self.gather_bytes
 
-    @property
-    def ctrl_offset(self) -> int:
-        return self.gather_offset(self.size)
+    def ctrl_offset(self, slot: int = 0) -> int:
+        return self.gather_offset(self.size) + slot * self.ctrl_bytes
+
+    def act_offset(self, boundary: int, slot: int) -> int:
+        return self.ctrl_offset(self.ctrl_slots) + (boundary * self.pipe_slots + slot) * self.act_bytes
+
+    def ret_offset(self, slot: int) -> int:
+        return self.act_offset(self.pp - 1, 0) + slot * self.ret_bytes
 
     @property
     def total_bytes(self) -> int:
-        return _round(self.ctrl_offset + self.ctrl_bytes, _PAGE)
+        return _round(self.ret_offset(self.pipe_slots), _PAGE)
 
     @classmethod
-    def make(cls, size: int, ar_bytes: int, gather_bytes: int, ctrl_bytes: int) -> SegmentLayout:
-        return cls(size, _round(ar_bytes, _PAGE), _round(gather_bytes, _PAGE), _round(ctrl_bytes, _PAGE))
+    def make(cls, size: int, ar_bytes: int, gather_bytes: int, ctrl_bytes: int, pp: int = 1,
+             act_bytes: int = 0, ret_bytes: int = 0) -> SegmentLayout:
+        # rank 0 keeps up to pp batches in flight (engine.core); one more slot for a message between steps
+        return cls(size, _round(ar_bytes, _PAGE), _round(gather_bytes, _PAGE), _round(ctrl_bytes, _PAGE),
+                   pp=pp, ctrl_slots=1 if pp == 1 else pp + 1, act_bytes=_round(act_bytes, _PAGE),
+                   ret_bytes=_round(ret_bytes, _PAGE))
 
 
 def create_segment(layout: SegmentLayout) -> str:
@@ -124,15 +172,20 @@ def unlink_segment(path: str) -> None:
 
 
 class ShmGroup:
-    """One rank's handle on the segment: `Collectives` (all_reduce, gather_vocab) plus the
-    control channel (rank 0 `send`s, the others `recv`).
+    """One rank's handle on the segment: `Collectives` (all_reduce, gather_vocab) over its
+    tensor-parallel ``group`` (the segment ranks of its pipeline stage; default: all), plus the
+    control channel (rank 0 `send`s, the others `recv`). ``rank`` is the segment rank;
+    ``self.rank`` / ``self.size`` then are the place in the group and its size, as a model sees them.
 
     ``peers_alive`` is called now and then while waiting (False: a peer process is gone);
     ``timeout_s`` bounds any collective wait (not `recv`, which waits for the next step)."""
 
     def __init__(self, path: str, layout: SegmentLayout, rank: int, timeout_s: float,
-                 peers_alive: Callable[[], bool] | None = None, oversubscribed: bool = False):
-        self.rank, self.size, self.layout = rank, layout.size, layout
+                 peers_alive: Callable[[], bool] | None = None, oversubscribed: bool = False,
+                 group: range | None = None):
+        self.group = list(group if group is not None else range(layout.size))
+        self.seg_rank, self.layout = rank, layout
+        self.rank, self.size = self.group.index(rank), len(self.group)
         self.timeout_s = timeout_s
         # (yield after, nap after) seconds of waiting. An all-reduce between ranks on two cores takes
         # ~5 µs, so a longer wait means the peer is off-CPU, often on this very core: yielding after
@@ -147,7 +200,7 @@ class ShmGroup:
             os.close(fd)
         self._flags = memoryview(self._mm)[: layout.flags_bytes].cast("q")
         self._raw = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._others = [r for r in range(self.size) if r != rank]
+        self._others = [r for r in self.group if r != rank]  # segment ranks
         self._ar_gen = 0
         self._gather_gen = 0
         self._ctrl_seen = 0
@@ -156,7 +209,7 @@ class ShmGroup:
 
     # ---- waiting --------------------------------------------------------
     def _aborted(self) -> CollectiveError:
-        return CollectiveError(f"tensor-parallel group aborted (seen by rank {self.rank})")
+        return CollectiveError(f"tensor-parallel group aborted (seen by rank {self.seg_rank})")
 
     def _wait(self, slot: int, target: int, what: str, idle: bool = False) -> None:
         f = self._flags
@@ -178,14 +231,29 @@ class ShmGroup:
                 os.sched_yield()
             if spins & 4095 == 0:
                 if not self._peers_alive():
-                    raise CollectiveError(f"tensor-parallel {what}: a peer process of rank {self.rank} is gone")
+                    raise CollectiveError(f"tensor-parallel {what}: a peer process of rank {self.seg_rank} is gone")
                 if not idle and waited > self.timeout_s:
-                    raise CollectiveError(f"tensor-parallel {what}: rank {self.rank} waited {waited:.1f} s "
+                    raise CollectiveError(f"tensor-parallel {what}: rank {self.seg_rank} waited {waited:.1f} s "
                                           f"(timeout {self.timeout_s:g} s) for a peer")
 
     def abort(self) -> None:
         """Make every rank's current and next wait raise."""
         self._flags[self.layout.abort_flag] = 1
+
+    def wait_flag(self, slot: int, target: int, what: str) -> None:
+        """Wait (bounded by ``timeout_s``, the abort flag and the peers' liveness) until flag
+        ``slot`` reaches ``target``: the hand-offs of engine.parallel.pipe."""
+        self._wait(slot, target, what)
+
+    def flag(self, slot: int) -> int:
+        return self._flags[slot]
+
+    def set_flag(self, slot: int, value: int) -> None:
+        self._flags[slot] = value
+
+    def region(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A flat view of ``numel`` elements of the segment at ``offset``."""
+        return self._raw[offset:][:numel * dtype.itemsize].view(dtype)
 
     # ---- collectives ----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,10 +273,10 @@ class ShmGroup:
         g = self._ar_gen = self._ar_gen + 1
         parity = g & 1
         lay = self.layout
-        bufs = self._ar_slots(parity, flat.dtype, flat.numel())
+        bufs = self._ar_slots(parity, flat.dtype, flat.numel())  # the group's, in its order
         bufs[self.rank].copy_(flat)
         f = self._flags
-        f[lay.ar_flag(self.rank)] = g
+        f[lay.ar_flag(self.seg_rank)] = g
         for r in self._others:
             if f[lay.ar_flag(r)] < g:
                 self._wait(lay.ar_flag(r), g, "all-reduce")
@@ -228,7 +296,7 @@ class ShmGroup:
         views = self._views.get(key)
         if views is None:
             nbytes = numel * dtype.itemsize
-            views = [self._raw[self.layout.ar_offset(parity, r):][:nbytes].view(dtype) for r in range(self.size)]
+            views = [self._raw[self.layout.ar_offset(parity, r):][:nbytes].view(dtype) for r in self.group]
             if len(self._views) > 256:
                 self._views.clear()
             self._views[key] = views
@@ -250,14 +318,14 @@ class ShmGroup:
         lay = self.layout
         n, vs = x.shape
         nbytes = x.numel() * x.element_size()
-        if self.rank != 0:
-            self._raw[lay.gather_offset(self.rank):][:nbytes].view(x.dtype).view(n, vs).copy_(x)
-            self._flags[lay.gather_flag(self.rank)] = g
+        if self.rank != 0:  # (to the group's first rank)
+            self._raw[lay.gather_offset(self.seg_rank):][:nbytes].view(x.dtype).view(n, vs).copy_(x)
+            self._flags[lay.gather_flag(self.seg_rank)] = g
             return
         out[:, :vs].copy_(x)
-        for r in self._others:
+        for j, r in enumerate(self.group[1:], start=1):
             self._wait(lay.gather_flag(r), g, "logits gather")
-            out[:, r * vs:(r + 1) * vs].copy_(self._raw[lay.gather_offset(r):][:nbytes].view(x.dtype).view(n, vs))
+            out[:, j * vs:(j + 1) * vs].copy_(self._raw[lay.gather_offset(r):][:nbytes].view(x.dtype).view(n, vs))
 
     # ---- control channel (rank 0 -> the others) --------------------------
     def send(self, payload: bytes) -> None:
@@ -265,17 +333,26 @@ class ShmGroup:
         if len(payload) > lay.ctrl_bytes:
             raise CollectiveError(f"tensor-parallel step message of {len(payload)} bytes exceeds the "
                                   f"channel's {lay.ctrl_bytes}")
-        self._mm[lay.ctrl_offset:lay.ctrl_offset + len(payload)] = payload
-        self._flags[lay.ctrl_len] = len(payload)
-        self._ctrl_seen += 1
-        self._flags[lay.ctrl_seq] = self._ctrl_seen
+        seq = self._ctrl_seen + 1
+        slot = seq % lay.ctrl_slots
+        if seq > lay.ctrl_slots:  # the slot's previous message: read by every rank
+            for r in range(1, self.layout.size):
+                self._wait(lay.ctrl_ack(r), seq - lay.ctrl_slots, "step channel")
+        off = lay.ctrl_offset(slot)
+        self._mm[off:off + len(payload)] = payload
+        self._flags[lay.ctrl_len(slot)] = len(payload)
+        self._ctrl_seen = seq
+        self._flags[lay.ctrl_seq] = seq
 
     def recv(self) -> bytes:
         lay = self.layout
         self._ctrl_seen += 1
         self._wait(lay.ctrl_seq, self._ctrl_seen, "step message", idle=True)
-        n = self._flags[lay.ctrl_len]
-        return self._mm[lay.ctrl_offset:lay.ctrl_offset + n]
+        slot = self._ctrl_seen % lay.ctrl_slots
+        off = lay.ctrl_offset(slot)
+        payload = self._mm[off:off + self._flags[lay.ctrl_len(slot)]]  # (a copy)
+        self._flags[lay.ctrl_ack(self.seg_rank)] = self._ctrl_seen
+        return payload
 
     def close(self) -> None:
         """Drop this rank's views (the mapping goes with the last reference)."""

@@ -12,7 +12,10 @@ Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
    handles, engine.parallel.kv_ipc), report ready with its memory figures (and the handles);
 4. run: for each step message, rebuild the batch from the mirrored block
    tables, run the forward (joining every all-reduce) and, where the batch
-   samples, hand its vocabulary slice of the logits to rank 0;
+   samples, hand its vocabulary slice of the logits to rank 0; with pipeline
+   parallelism (engine.parallel.pipe), a rank of a later stage takes the batch's
+   hidden states from the stage before, a stage's leader hands its own on (or, on
+   the last stage, the batch's logits rows back to rank 0);
    (between steps, a profile message opens or closes this rank's profiler window);
 5. stop: on STOP, on an abort, or when rank 0's process is gone (its parent, or
    ``leader_pid`` watched through a pidfd).
@@ -136,6 +139,24 @@ def memory_report(model) -> RankMemory:
     return RankMemory(weight_bytes, status.get("RssAnon", 0), status.get("VmHWM", 0))
 
 
+def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sample_rows) -> None:
+    """Batch k on this rank's pipeline stage (engine.parallel.pipe)."""
+    inputs = None
+    if not pipe.is_first:
+        inputs = pipe.recv_hidden(k, input_ids.shape[0], model.cfg.hidden_size, model.dtype)
+    hidden = model.forward(input_ids, positions, meta, kv_caches, hidden=inputs)
+    if not pipe.is_last:
+        if pipe.is_leader:
+            pipe.send_hidden(k, hidden)
+            pipe.mark_done(k)
+        return
+    if pipe.is_leader:
+        pipe.mark_done(k)
+    logits = model.compute_logits(hidden[sample_rows]) if sample_rows else None  # gathered to the leader
+    if pipe.is_leader:
+        pipe.send_logits(k, logits)
+
+
 def worker_main(spec: WorkerSpec, conn) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -147,7 +168,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         from engine.core import pick_dtype
         from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
         from engine.model import LlamaModel
-        from engine.parallel.comm import dist_collectives
+        from engine.parallel.comm import SINGLE, dist_collectives
         from engine.parallel.devices import cuda_device_count, rank_device
         from engine.parallel.sharding import ShardLayout, load_shard
         from engine.parallel.shm import ShmGroup
@@ -167,10 +188,13 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             from engine.parallel.launch import PidWatch
 
             peers_alive = PidWatch(spec.leader_pid).is_alive
+        tp = config.tensor_parallel_size
+        stage = spec.rank // tp
         shm = ShmGroup(spec.segment, spec.layout, spec.rank, config.tp_timeout_s,
-                       peers_alive=peers_alive, oversubscribed=spec.oversubscribed)
+                       peers_alive=peers_alive, oversubscribed=spec.oversubscribed,
+                       group=range(stage * tp, (stage + 1) * tp))
         conn.send(Attached())
-        comm = shm if spec.dist_init_method is None else dist_collectives(
+        comm = (shm if tp > 1 else SINGLE) if spec.dist_init_method is None else dist_collectives(
             config.tp_comm_backend, spec.rank, spec.size, spec.dist_init_method, config.tp_timeout_s, device)
         cfg = read_config(spec.model_dir)
         layout = ShardLayout.for_engine(cfg, spec.rank, config)
@@ -185,7 +209,8 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             return
         if init[0] != INIT:
             raise RuntimeError(f"rank {spec.rank}: expected the init message, got kind {init[0]}")
-        kv_spec = KVCacheSpec.for_model(cfg, config.block_size, dtype_name, num_kv_heads=layout.num_kv_heads)
+        kv_spec = KVCacheSpec.for_model(cfg, config.block_size, dtype_name, num_kv_heads=layout.num_kv_heads,
+                                        num_layers=len(layout.layers))
         if config.device == "cpu":  # in shared memory, so that rank 0's KV transfer endpoint maps it too
             from engine.parallel.kv_shm import kv_segment_path, map_kv_cache
 
@@ -203,6 +228,12 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         conn.send(Ready(memory_report(model), shared))
         decoder = StepDecoder()
         window = None
+        pipe = None
+        if config.pipeline_parallel_size > 1:
+            from engine.parallel.pipe import StageChannel
+
+            pipe = StageChannel(shm, spec.rank)
+        num_batches = 0
         with torch.no_grad():
             while True:
                 payload = shm.recv()
@@ -212,10 +243,14 @@ def worker_main(spec: WorkerSpec, conn) -> None:
                 rows = decoder.decode(payload)
                 if rows is None:
                     break
+                num_batches += 1
                 input_ids, positions, meta, sample_rows = runner.prepare(rows)
-                hidden = model.forward(input_ids, positions, meta, kv_caches)
-                if sample_rows:
-                    model.compute_logits(hidden[sample_rows])  # this rank's vocabulary slice, to rank 0
+                if pipe is None:
+                    hidden = model.forward(input_ids, positions, meta, kv_caches)
+                    if sample_rows:
+                        model.compute_logits(hidden[sample_rows])  # this rank's vocabulary slice, to rank 0
+                    continue
+                _run_stage(pipe, model, num_batches, input_ids, positions, meta, kv_caches, sample_rows)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which decides
         if shm is not None:
             shm.abort()
@@ -228,6 +263,6 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             from engine.parallel.kv_shm import unlink_kv_segment
 
             unlink_kv_segment(kv_path)
-        if comm is not None and comm is not shm:
+        if comm is not None and comm is not shm and hasattr(comm, "close"):
             comm.close()
         conn.close()

@@ -75,7 +75,7 @@ def normal_priority() -> None:
 
 def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | None = None, ranks=None):
     """EngineCore + tokenizer for a checkpoint folder (already converted). With
-    tensor_parallel_size > 1 this process is rank 0 and ``ranks`` (an
+    tensor_parallel_size or pipeline_parallel_size > 1 this process is rank 0 and ``ranks`` (an
     `engine.parallel.launch.RankLauncher`; None: spawned children) starts the others."""
     from engine.tokenizer import Tokenizer, TokenizerError
     from engine.weights import load_checkpoint
@@ -83,7 +83,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig, num_threads: int | 
     normal_priority()  # a replacement loads its model while the other replicas serve: not from niceness 15
     if num_threads:
         torch.set_num_threads(num_threads)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         from engine.parallel import start_engine
 
         core = start_engine(model_dir, config, ranks)
