@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cluster.router import ReplicaLoad, Router
 from cluster.types import ReplicaStatus, Stage
@@ -65,6 +65,7 @@ class _Health:
     silent_since: float | None = None  # monotonic time of the first unanswered poll
     rank_pids: tuple[int, ...] = ()  # the replica's ranks as of its last (re)connect, rank 0 first
     expert_load: tuple[int, ...] = ()  # its last load report's tokens per expert (a mixture of experts)
+    runs: dict[str, str] = field(default_factory=dict)  # its last report's quantization and kernel_isa
 
 
 # respawn(replica_id, old_handle, restart_number) -> a new actor handle (the old one killed)
@@ -121,12 +122,13 @@ class Replicas:
     def status(self, s: ReplicaStatus) -> ReplicaStatus:
         """``s`` with the replica's health; a replica not serving reports no load (its last is stale)."""
         h = self._health[s.replica_id]
-        ranks = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids)
+        # its ranks as of its last (re)connect, its weights and kernel path as of its last report
+        what = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids, **h.runs)
         if h.state is ReplicaState.SERVING:
             return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, expert_load=h.expert_load,
-                           **ranks)
+                           **what)
         return ReplicaStatus(s.replica_id, s.stage, False, num_in_flight=s.num_in_flight, state=h.state.value,
-                             num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
+                             num_restarts=h.num_restarts, last_error=h.last_error, **what)
 
     def lost_channel(self, rid: str) -> None:
         """The replica's request channel broke: out of the router until it is back."""
@@ -164,6 +166,7 @@ class Replicas:
             return
         h.silent_since = None
         h.expert_load = tuple(getattr(load, "expert_load", ()))
+        h.runs = dict(quantization=load.quantization, kernel_isa=load.kernel_isa)
         if not load.is_alive:
             self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return

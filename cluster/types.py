@@ -101,6 +101,8 @@ class ReplicaStatus:
     tensor_parallel_size: int = 1  # ranks of the replica (a tensor-parallel replica is one unit)
     rank_pids: tuple[int, ...] = ()  # each rank's process id on the replica's host, rank 0 first
     expert_load: tuple[int, ...] = ()  # a mixture of experts: tokens routed to each expert since start
+    quantization: str = ""  # its weights' format: none, gguf, int8 ("" unknown: no report yet, an older server)
+    kernel_isa: str = ""  # its kernel ISA path: avx512bf16, avx2, or none (torch's ops)
 
     @property
     def kv_usage(self) -> float:

@@ -167,3 +167,7 @@ class LoadReport:
     # a mixture of experts: tokens routed to each expert since start, summed over the sparse
     # layers (EngineCore.expert_load has them per layer); empty for a dense model
     expert_load: tuple[int, ...] = ()
+    # what the replica runs: its weights' format (EngineConfig.quantization: none, gguf, int8)
+    # and its kernel ISA path (avx512bf16, avx2, or none: torch's ops); "" where unknown
+    quantization: str = ""
+    kernel_isa: str = ""
