@@ -172,7 +172,8 @@ def _status(resp: pb.GetStatusResponse) -> ClusterStatus:
     return ClusterStatus(resp.model, resp.mode, tuple(
         ReplicaStatus(r.replica_id, Stage(r.stage), r.alive, r.running_seqs, r.queued_prefill_tokens,
                       r.in_flight, r.free_blocks, r.total_blocks, r.state or "serving", r.restarts, r.last_error,
-                      r.tensor_parallel_size or 1, tuple(r.rank_pids))
+                      r.tensor_parallel_size or 1, tuple(r.rank_pids), quantization=r.quantization,
+                      kernel_isa=r.kernel_isa)
         for r in resp.replicas), resp.waiting)
 
 

@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cluster.router import ReplicaLoad, Router
 from cluster.types import ReplicaStatus, Stage
@@ -68,6 +68,7 @@ class _Health:
     # its last load report's since-start counters
     num_prompt_tokens_computed: int = 0
     num_kv_bytes_sent: int = 0
+    runs: dict[str, str] = field(default_factory=dict)  # its last report's quantization and kernel_isa
 
 
 # respawn(replica_id, old_handle, restart_number) -> a new actor handle (the old one killed)
@@ -124,13 +125,14 @@ class Replicas:
     def status(self, s: ReplicaStatus) -> ReplicaStatus:
         """``s`` with the replica's health; a replica not serving reports no load (its last is stale)."""
         h = self._health[s.replica_id]
-        ranks = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids)
+        # its ranks as of its last (re)connect, its weights and kernel path as of its last report
+        what = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids, **h.runs)
         if h.state is ReplicaState.SERVING:
             return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, expert_load=h.expert_load,
                            num_prompt_tokens_computed=h.num_prompt_tokens_computed,
-                           num_kv_bytes_sent=h.num_kv_bytes_sent, **ranks)
+                           num_kv_bytes_sent=h.num_kv_bytes_sent, **what)
         return ReplicaStatus(s.replica_id, s.stage, False, num_in_flight=s.num_in_flight, state=h.state.value,
-                             num_restarts=h.num_restarts, last_error=h.last_error, **ranks)
+                             num_restarts=h.num_restarts, last_error=h.last_error, **what)
 
     def lost_channel(self, rid: str) -> None:
         """The replica's request channel broke: out of the router until it is back."""
@@ -170,6 +172,7 @@ class Replicas:
         h.expert_load = tuple(getattr(load, "expert_load", ()))
         h.num_prompt_tokens_computed = getattr(load, "num_prompt_tokens_computed", 0)
         h.num_kv_bytes_sent = getattr(load, "num_kv_bytes_sent", 0)
+        h.runs = dict(quantization=load.quantization, kernel_isa=load.kernel_isa)
         if not load.is_alive:
             self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return

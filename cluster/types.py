@@ -103,6 +103,8 @@ class ReplicaStatus:
     expert_load: tuple[int, ...] = ()  # a mixture of experts: tokens routed to each expert since start
     num_prompt_tokens_computed: int = 0  # prompt positions the replica ran through the model since start
     num_kv_bytes_sent: int = 0  # prefill: KV bytes of its transfers that ended DONE, since start
+    quantization: str = ""  # its weights' format: none, gguf, int8 ("" unknown: no report yet, an older server)
+    kernel_isa: str = ""  # its kernel ISA path: avx512bf16, avx2, or none (torch's ops)
 
     @property
     def kv_usage(self) -> float:

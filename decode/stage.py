@@ -75,8 +75,9 @@ class DecodeStage(StageLoop):
 
             self.lease_s = receiver.lease_s
             layout, caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)
-            self.receiver = KVReceiver(caches, core.pool, model_fingerprint(core.model_config, core.kv_spec),
-                                       receiver, layout=layout)
+            # weights: informational, not compared (kvtransfer.auth.INFORMATIONAL_FIELDS)
+            fingerprint = {**model_fingerprint(core.model_config, core.kv_spec), "weights": core.config.quantization}
+            self.receiver = KVReceiver(caches, core.pool, fingerprint, receiver, layout=layout)
         self._incoming: dict[str, Sequence] = {}  # reserved, waiting for their KV
         # reservations waiting for free blocks, oldest first: (sequence, channel, deadline)
         self._waiting: deque[tuple[Sequence, object, float]] = deque()

@@ -26,6 +26,13 @@ in the same process, one after another, against one transformers run; with
 named by its format and ISA path. The memory wall counts the bytes of the
 weights as each format stores them.
 
+The transformers baseline runs on whatever kernels torch picks for this CPU
+(its column names them: `torch.backends.cpu.get_cpu_capability()`). Where the
+avx2 path is asked for on a CPU with AVX-512, a second baseline runs in a
+subprocess with torch held to AVX2 (`TORCH_AVX2_ENV`: ATen's kernels and
+oneDNN's), what a user of an AVX2-only CPU (a Zen 3) gets; the avx2 columns'
+ratios are against that one, the others' against the unrestricted one.
+
 The engine runs with the prefix cache off, since transformers has none and
 the same prompts are run repeatedly. Each workload is warmed up once (same
 shapes, 16 new tokens) before it is timed.
@@ -34,18 +41,25 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 SECTION = "## Engine"
 WARMUP_TOKENS = 16
+# torch held to AVX2 and FMA, as on a CPU without AVX-512: ATen's vectorized kernels and oneDNN's
+# (set before torch loads, so only in a fresh process; torch.backends.cpu.get_cpu_capability() says
+# whether it took)
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="DIR", type=Path, default=None,
                    help="instead of the comparison, profile a few engine decode steps: "
                         "write a Chrome trace to DIR and print the top ops")
+    # the restricted baseline's subprocess: run transformers only on the prompts in FILE, print JSON
+    p.add_argument("--transformers-only", metavar="FILE", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def _isa_list(text: str) -> list[str]:
@@ -228,34 +244,88 @@ def bench_transformers(model, prompt: list[int], batch: list[list[int]], new: in
     return Figures((new - 1) / (total - ttft), ttft, len(batch) * new / wall)
 
 
+def torch_capability() -> str:
+    """The vector ISA torch's own CPU kernels run here (AVX512, AVX2, DEFAULT, ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def baseline_label(capability: str) -> str:
+    return f"transformers (torch {capability})"
+
+
+def run_transformers(model_dir, dtype: str, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return bench_transformers(hf, prompt, batch, new)
+
+
+def bench_transformers_avx2(args, model_dir, prompt: list[int], batch: list[list[int]]) -> Figures:
+    """The transformers baseline in a fresh process with torch held to AVX2
+    (TORCH_AVX2_ENV), on the same prompts and thread count; raises if torch
+    did not take the restriction."""
+    with tempfile.TemporaryDirectory() as d:
+        prompts = Path(d) / "prompts.json"
+        prompts.write_text(json.dumps({"prompt": prompt, "batch": batch}))
+        cmd = [sys.executable, "-m", "engine.bench", "--model", str(model_dir), "--dtype", args.dtype,
+               "--new-tokens", str(args.new_tokens), "--transformers-only", str(prompts)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        done = subprocess.run(cmd, env={**os.environ, **TORCH_AVX2_ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the AVX2 transformers baseline failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["capability"] != "AVX2":
+        raise RuntimeError(f"the AVX2 transformers baseline ran on torch's {result['capability']} kernels: "
+                           f"{', '.join(f'{k}={v}' for k, v in TORCH_AVX2_ENV.items())} did not take")
+    return Figures(**result["figures"])
+
+
+def transformers_only(args, model_dir) -> int:
+    """The child of bench_transformers_avx2: one line of JSON on stdout."""
+    prompts = json.loads(args.transformers_only.read_text())
+    figures = run_transformers(model_dir, args.dtype, prompts["prompt"], prompts["batch"], args.new_tokens)
+    print(json.dumps({"capability": torch_capability(), "figures": asdict(figures)}))
+    return 0
+
+
 # ---- report --------------------------------------------------------------------
 
-def table(kvs: dict[str, Figures], hf: Figures, args, walls: dict[str, float] | None = None) -> str:
-    """kvrelay's figures for each kernel path (label -> Figures) against transformers';
-    walls: label -> the single-stream memory-wall tokens/s (Breakdown.bound_tok_s)."""
+def table(kvs: dict[str, Figures], hfs: dict[str, Figures], args, walls: dict[str, float] | None = None,
+          against: dict[str, str] | None = None) -> str:
+    """kvrelay's figures for each kernel path (label -> Figures) against transformers'
+    (torch's CPU capability, what it ran on -> Figures); against: kvrelay label -> the
+    capability of the baseline its ratios are taken against (default: the first); walls:
+    label -> the single-stream memory-wall tokens/s (Breakdown.bound_tok_s)."""
+    first = next(iter(hfs))
+    base = {n: hfs[(against or {}).get(n, first)] for n in kvs}
     metrics = [
         (f"single-stream decode, tokens/s ({args.prompt_len}-token prompt, {args.new_tokens} new)",
-         lambda f: f"{f.decode_tok_s:.1f}", lambda k: k.decode_tok_s / hf.decode_tok_s),
+         lambda f: f"{f.decode_tok_s:.1f}", lambda k, hf: k.decode_tok_s / hf.decode_tok_s),
         (f"time to first token, ms ({args.prompt_len}-token prompt)",
-         lambda f: f"{f.ttft_s * 1e3:.0f}", lambda k: hf.ttft_s / k.ttft_s),
+         lambda f: f"{f.ttft_s * 1e3:.0f}", lambda k, hf: hf.ttft_s / k.ttft_s),
         (f"batch-{args.batch} output tokens/s ({args.prompt_len}-token prompts, {args.new_tokens} new each)",
-         lambda f: f"{f.batch_tok_s:.1f}", lambda k: k.batch_tok_s / hf.batch_tok_s),
+         lambda f: f"{f.batch_tok_s:.1f}", lambda k, hf: k.batch_tok_s / hf.batch_tok_s),
     ]
     one = len(kvs) == 1
     heads = ["kvrelay"] if one else [f"kvrelay {n}" for n in kvs]
-    ratios = ["ratio"] if one else [f"ratio {n}" for n in kvs]
-    lines = ["| metric | " + " | ".join(heads + ["transformers"] + ratios) + " |",
-             "|---|" + "---:|" * (2 * len(kvs) + 1)]
+    vs = (lambda n: "") if len(hfs) == 1 else (lambda n: f" (vs torch {(against or {}).get(n, first)})")
+    ratios = [f"ratio{vs(next(iter(kvs)))}"] if one else [f"ratio {n}{vs(n)}" for n in kvs]
+    lines = ["| metric | " + " | ".join(heads + [baseline_label(c) for c in hfs] + ratios) + " |",
+             "|---|" + "---:|" * (2 * len(kvs) + len(hfs))]
     for m, fmt, ratio in metrics:
-        lines.append(f"| {m} | " + " | ".join([fmt(k) for k in kvs.values()] + [fmt(hf)]
-                                             + [f"{ratio(k):.2f}x" for k in kvs.values()]) + " |")
+        lines.append(f"| {m} | " + " | ".join([fmt(k) for k in kvs.values()] + [fmt(hf) for hf in hfs.values()]
+                                             + [f"{ratio(k, base[n]):.2f}x" for n, k in kvs.items()]) + " |")
     if walls:
         walls_row = {"single": lambda n: kvs[n].decode_tok_s / walls[n],
                      "batch": lambda n: kvs[n].batch_tok_s / (walls[n] * args.batch)}
         for what, frac in walls_row.items():
             label = ("single-stream decode" if what == "single" else f"batch-{args.batch} output") + \
                 " against the memory wall (weights read once per step at the measured bandwidth)"
-            lines.append(f"| {label} | " + " | ".join([f"{100 * frac(n):.0f}%" for n in kvs] + ["-"]
+            lines.append(f"| {label} | " + " | ".join([f"{100 * frac(n):.0f}%" for n in kvs] + ["-"] * len(hfs)
                                                       + ["-"] * len(kvs)) + " |")
     return "\n".join(lines)
 
@@ -290,16 +360,21 @@ def provenance(command: str | None = None) -> str:
     return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
 
 
-def section(body: str, args, model_name: str, command: str, isas: list[str]) -> str:
+def section(body: str, args, model_name: str, command: str, isas: list[str], baselines: list[str]) -> str:
     formats = "" if args.quantization == ["none"] else \
         f" (transformers), weights {', '.join('`' + q + '`' for q in args.quantization)} (kvrelay)"
+    avx2 = "" if len(baselines) == 1 else (
+        f"\n{baselines[1]} ran in a subprocess with "
+        f"{' '.join(f'`{k}={v}`' for k, v in TORCH_AVX2_ENV.items())} (what an AVX2-only CPU's torch "
+        "runs), on the same prompts; the avx2 columns' ratios are against it, the others' against "
+        f"{baselines[0]}, torch's own choice on this CPU.")
     return f"""{args.section}
 
 `engine.LLM` against transformers' `generate` on {model_name}, {args.dtype}{formats}, greedy, EOS ignored,
 kernel ISA path {" and ".join(f"`{n}`" for n in isas)} (engine/kernels.py; the CPU runs {cpu_isa_text()}),
 same random prompts, one process, each workload warmed up once (`engine/bench.py`).
 Ratio: how many times better kvrelay is (throughput: kvrelay / transformers; time to first
-token: transformers / kvrelay).
+token: transformers / kvrelay).{avx2}
 
 {body}
 
@@ -373,6 +448,8 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     model_name = Path(model_dir).name if args.model else "SmolLM2-135M-Instruct"
+    if args.transformers_only is not None:
+        return transformers_only(args, model_dir)
 
     def make_llm(run: tuple[str, str]):
         quant, isa = run
@@ -391,33 +468,39 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
 
     kvs: dict[str, Figures] = {}
     parts: dict[str, Breakdown] = {}
-    paths: list[str] = []  # the kernel ISA path of each run
+    paths: dict[str, str] = {}  # label -> the kernel ISA path of its run
     for i, run in enumerate(runs):
         llm = llm if i == 0 else make_llm(run)
         label = isa_label(llm)
-        paths.append(label)
+        path = label
         if args.quantization != ["none"]:
             label = f"{args.dtype if run[0] == 'none' else run[0]} {label}"
+        paths[label] = path
         print(f"kvrelay ({model_name}, {label}) ...", file=sys.stderr)
         kvs[label] = bench_kvrelay(llm, prompt, batch, args.new_tokens)
         parts[label] = decode_breakdown(llm, prompt, args.new_tokens)
         assert llm.core.pool.is_fully_free()
         del llm
 
-    from transformers import AutoModelForCausalLM
-
-    print("transformers ...", file=sys.stderr)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    ref = bench_transformers(hf, prompt, batch, args.new_tokens)
+    native = torch_capability()
+    print(f"transformers (torch {native}) ...", file=sys.stderr)
+    hfs = {native: run_transformers(model_dir, args.dtype, prompt, batch, args.new_tokens)}
+    against: dict[str, str] = {}
+    if "avx2" in paths.values() and native != "AVX2":
+        # a fair baseline for the avx2 path: torch on AVX2 too, as an AVX2-only CPU runs it
+        print("transformers (torch AVX2, a subprocess) ...", file=sys.stderr)
+        hfs["AVX2"] = bench_transformers_avx2(args, model_dir, prompt, batch)
+        against = {n: "AVX2" for n, path in paths.items() if path == "avx2"}
 
     one = len(parts) == 1
-    body = "\n\n".join([table(kvs, ref, args, {n: b.bound_tok_s for n, b in parts.items()})]
+    body = "\n\n".join([table(kvs, hfs, args, {n: b.bound_tok_s for n, b in parts.items()}, against)]
                        + [breakdown_table(b, "" if one else f" ({n})") for n, b in parts.items()])
     print(f"kernel ISA path: {', '.join(kvs)}")
     print(body)
     if args.write:
         command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
-        write_section(section(body, args, model_name, command.strip(), list(dict.fromkeys(paths))),
+        write_section(section(body, args, model_name, command.strip(), list(dict.fromkeys(paths.values())),
+                              [baseline_label(c) for c in hfs]),
                       args.benchmarks_file)
         print(f"wrote the '{args.section}' section of {args.benchmarks_file}", file=sys.stderr)
     return 0

@@ -34,9 +34,16 @@ def proofs_match(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
+# Carried in a fingerprint for whoever reads it, never compared: `weights`, the stage's weight
+# format (EngineConfig.quantization). Replicas with different weight formats may share a
+# deployment when the KV dtype and layout agree (BENCHMARKS.md "Quantized weights").
+INFORMATIONAL_FIELDS = ("weights",)
+
+
 def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str], ignore=()) -> str | None:
-    """None when equal but for the fields in `ignore`, else a message naming the first differing field."""
-    for key in sorted((set(ours) | set(theirs)) - set(ignore)):
+    """None when equal but for the fields in `ignore` and INFORMATIONAL_FIELDS, else a message
+    naming the first differing field."""
+    for key in sorted((set(ours) | set(theirs)) - set(ignore) - set(INFORMATIONAL_FIELDS)):
         if ours.get(key) != theirs.get(key):
             return (f"model fingerprint mismatch on {key!r}: receiver has {ours.get(key)!r}, "
                     f"sender has {theirs.get(key)!r}")

@@ -77,7 +77,8 @@ class PrefillStage(StageLoop):
         core, tokenizer = load_engine(model_dir, engine_config, num_threads, ranks)
         self.lease_s = sender.lease_s
         layout, self._kv_caches = engine_kv(core)  # every rank's cache, rank -> layer (one rank at TP=1)
-        self.sender = KVSender(model_fingerprint(core.model_config, core.kv_spec), sender, layout=layout)
+        fingerprint = {**model_fingerprint(core.model_config, core.kv_spec), "weights": core.config.quantization}
+        self.sender = KVSender(fingerprint, sender, layout=layout)  # weights: informational, not compared
         self._jobs: dict[str, _Job] = {}
         # tickets as they arrive (any thread), so a forward pass already under
         # way picks them up between layers instead of sending it all afterwards

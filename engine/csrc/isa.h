@@ -102,6 +102,7 @@ struct Vec {
 struct MatmulTile {
   using XElem = bf16;
   static constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 broadcast
+  static constexpr bool kBlocksK = false;  // several tiles re-read the block from L1/L2, one after another
   static bool packs_x(int64_t M) { return M > 4 * kMaxRows; }
   struct Block {  // what the tiles of one block read: the packed block itself
     const bf16* w;
@@ -229,83 +230,106 @@ struct Vec {
 //   memory busy, FMA latency being 4 cycles; in 16 columns it ran at half
 //   the speed); 2-5 rows two passes of 16 columns (2 x MR accumulators + 4
 //   weights + 2 broadcasts fit 16 ymm), 6 rows four passes of 8.
-// - several tiles per block: the block is widened once into a per-thread
-//   fp32 copy ([K][32], K x 128 bytes, in L2), which every tile then reads
-//   as a plain fp32 GEMM (tile_f32), no widening per tile.
+// - several tiles per block (tiles_k_blocked): the block is widened kKChunk k
+//   at a time into a per-thread fp32 buffer that stays in L1, and every tile's
+//   rows run over that chunk as a plain fp32 GEMM before the next chunk is
+//   widened; the partial sums wait in fp32 between chunks (the same chain).
 struct MatmulTile {
   using XElem = float;
   static constexpr int kMaxRows = 6;
+  static constexpr bool kBlocksK = true;  // rows_x_block hands several tiles to tiles_k_blocked
+  // k of a block widened at a time: 64 x 32 fp32 = 8 KiB, with the tiles' x (16 rows: 4 KiB) in L1
+  static constexpr int64_t kKChunk = 64;
   static bool packs_x(int64_t) { return true; }
   struct Block {
     const bf16* w;
-    const float* wf = nullptr;  // the block widened, [K][32]; null: widen in registers
-    Block(const bf16* w_, int64_t K, int64_t tiles) : w(w_) {
-      if (tiles > 1) wf = widen(w_, K);
-    }
+    Block(const bf16* w_, int64_t /*K*/, int64_t /*tiles*/) : w(w_) {}
   };
 
   template <int MR, bool XP, class Out>
   static void tile(const XElem* x, const Block& blk, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                    int64_t pf_len) {
     static_assert(XP, "the avx2 tile reads fp32 x interleaved by k-pair");
-    if (blk.wf)
-      tile_f32<MR>(x, blk.wf, y, K, N, cols, pf, pf_len);
-    else
-      tile_bf16<MR>(x, blk.w, y, K, N, cols, pf, pf_len);
+    tile_bf16<MR>(x, blk.w, y, K, N, cols, pf, pf_len);
+  }
+
+  // Rows [0, R) in `tiles` tiles of near-equal size (rows_x_block's split; tile t's
+  // rows interleaved by k-pair at x + m K) against one packed block wb, K-blocked.
+  // Against the whole block widened at once ([K][32] fp32, 73 KiB at K = 576, in L2 and
+  // re-read from there by every 3 rows), single-thread CPU time, weights cold as in a
+  // step: SmolLM2's LM head at 16 rows 15.0-16.7 -> 12.3-12.7 ms, at 128 rows 100-108 ->
+  // 80-81 ms; the layer matmuls the same within the noise (~70 GFLOPS at 16 rows, ~100
+  // at 128); chunks of 32-288 k all within 3% of each other.
+  template <class Out>
+  static void tiles_k_blocked(const float* x, const bf16* wb, Out* y, int64_t R, int64_t K, int64_t N,
+                              int64_t cols, const char* pf, int64_t pf_len, int64_t tiles) {
+    thread_local std::vector<float> wf(kKChunk * kPackedCols), part;
+    part.resize(R * kPackedCols);  // [R][32]: the partial sums between chunks
+    int64_t groups = 0;
+    for (int64_t t = 0; t < tiles; ++t) groups += (R / tiles + (t < R % tiles) + 2) / 3;
+    Prefetcher fetch(pf, pf_len, groups * K / 2);
+    for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
+      const int64_t kc = std::min(kKChunk, K - k0);
+      widen(wb + k0 * kPackedCols, kc, wf.data());
+      const bool first = k0 == 0, last = k0 + kc == K;
+      for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int64_t r = R / tiles + (t < R % tiles);
+        const float* xt = x + m * K + k0 * r;  // the tile's k-pairs from k0
+        for (int64_t g = 0; g < r; g += 3) {
+          float* pg = part.data() + (m + g) * kPackedCols;
+          Out* yg = y + (m + g) * N;
+          switch (std::min<int64_t>(3, r - g)) {
+            case 3: chunk_rows<3>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
+            case 2: chunk_rows<2>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
+            default: chunk_rows<1>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
+          }
+        }
+        m += r;
+      }
+    }
   }
 
  private:
-  static const float* widen(const bf16* wb, int64_t K) {  // -> [K][32] fp32
-    thread_local std::vector<float> buf;
-    buf.resize(K * kPackedCols);
-    float* wf = buf.data();
+  static void widen(const bf16* wb, int64_t kc, float* wf) {  // kc k of a packed block -> [kc][32] fp32
     const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    for (int64_t kp = 0; kp < K / 2; ++kp, wb += 2 * kPackedCols)
+    for (int64_t kp = 0; kp < kc / 2; ++kp, wb += 2 * kPackedCols)
       for (int c = 0; c < 4; ++c) {  // 8 columns x 2 k
         const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 * c));
         float* d = wf + 2 * kp * kPackedCols + 8 * c;
         _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
         _mm256_storeu_ps(d + kPackedCols, _mm256_castsi256_ps(_mm256_and_si256(r, hi_mask)));
       }
-    return wf;
   }
 
-  // MR rows against the widened block: up to 3 rows at a time x 32 columns (12
-  // accumulators + 4 weights + 1 broadcast): one broadcast per 4 FMAs. Single-
-  // thread CPU time, SmolLM2's MLP matmuls at 16 / 128 rows: 6 x 16 tiles (a
-  // broadcast per 2 FMAs) 65-70 / ~70 GFLOPS, 3 x 32 84 / 104, 2 x 32 65 / 74
-  // (each 2 rows re-read the block from L2, which then set the pace).
-  template <int MR, class Out>
-  static void tile_f32(const float* x, const float* wf, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
-                       int64_t pf_len) {
-    Prefetcher fetch(pf, pf_len, (MR + 2) / 3 * K / 2);
-    if constexpr (MR <= 3) {
-      rows_f32<MR, MR>(x, 0, wf, y, K, N, cols, fetch);
-    } else {
-      rows_f32<3, MR>(x, 0, wf, y, K, N, cols, fetch);
-      rows_f32<MR - 3, MR>(x, 3, wf, y, K, N, cols, fetch);
-    }
-  }
-  template <int R, int MR, class Out>
-  static void rows_f32(const float* x, int r0, const float* wf, Out* y, int64_t K, int64_t N, int64_t cols,
-                       Prefetcher& fetch) {
-    __m256 acc[R][4];
-    for (int m = 0; m < R; ++m)
-      for (int c = 0; c < 4; ++c) acc[m][c] = _mm256_setzero_ps();
-    const float* xk = x + 2 * r0;
+  // G rows (x: their k-pairs, `rows` rows per k-pair) x 32 columns against kc k of the
+  // widened block: 12 accumulators + 4 weights + 1 broadcast at G = 3, one broadcast per
+  // 4 FMAs. The sums start at zero (first) or from part, and end in y (last) or in part.
+  template <int G, class Out>
+  static void chunk_rows(const float* x, int64_t rows, const float* wf, int64_t kc, float* part, bool first,
+                         bool last, Out* y, int64_t N, int64_t cols, Prefetcher& fetch) {
+    __m256 acc[G][4];
+#pragma GCC unroll 16
+    for (int i = 0; i < G * 4; ++i)
+      acc[i / 4][i % 4] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + 8 * i);
+    const float* xk = x;
     const float* w = wf;
-    for (int64_t k = 0; k < K; k += 2, xk += 2 * MR) {
+    for (int64_t k = 0; k < kc; k += 2, xk += 2 * rows) {
       fetch.step();
       for (int j = 0; j < 2; ++j, w += kPackedCols) {
         __m256 wv[4];
         for (int c = 0; c < 4; ++c) wv[c] = _mm256_loadu_ps(w + 8 * c);
-        for (int m = 0; m < R; ++m) {
+        for (int m = 0; m < G; ++m) {
           const __m256 xv = _mm256_broadcast_ss(xk + 2 * m + j);
           for (int c = 0; c < 4; ++c) acc[m][c] = _mm256_fmadd_ps(wv[c], xv, acc[m][c]);
         }
       }
     }
-    flush<R, 4>(acc, y + r0 * N, N, cols);
+    if (last) {
+      flush<G, 4>(acc, y, N, cols);
+      return;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < G * 4; ++i) _mm256_storeu_ps(part + 8 * i, acc[i / 4][i % 4]);
   }
 
   template <int MR, class Out>

@@ -52,13 +52,19 @@ constexpr std::array<TileFn<Out>, sizeof...(R) + 1> tile_table(std::integer_sequ
 // (16 rows: 8 + 8), the block re-read from L1/L2 for each tile. `next`: the
 // block this thread runs next (null: none), prefetched a share per tile, so
 // memory is read at an even rate however many tiles the block takes.
-template <class Out, bool XP>
+template <class Out, bool XP, class Tile = MatmulTile>
 inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int64_t K, int64_t N, int64_t cols,
                          const bf16* next) {
   static constexpr auto table = tile_table<Out, XP>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
   const int64_t bytes = K * kCols * static_cast<int64_t>(sizeof(bf16));
-  const MatmulTile::Block block(wb, K, tiles);  // what the tiles read (AVX2, several tiles: the block widened once)
+  if constexpr (Tile::kBlocksK) {  // AVX2: the tiles run together, a chunk of k at a time
+    if (tiles > 1) {
+      Tile::tiles_k_blocked(x, wb, y, R, K, N, cols, reinterpret_cast<const char*>(next), next ? bytes : 0, tiles);
+      return;
+    }
+  }
+  const MatmulTile::Block block(wb, K, tiles);  // what the tiles read
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = R / tiles + (t < R % tiles);
     const int64_t p0 = bytes * t / tiles, p1 = bytes * (t + 1) / tiles;

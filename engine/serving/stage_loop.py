@@ -23,6 +23,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -118,6 +119,8 @@ class StageLoop:
         self._stopped = threading.Event()
         self._fatal: str | None = None
         self._load: LoadReport = self._snapshot_load()
+        self._runs = dict(quantization=core.config.quantization,
+                          kernel_isa=getattr(getattr(core.model, "ops", None), "isa", "none"))  # "none": torch's ops
         self._profile: ProfileWindow | None = None
         self._is_cuda = str(core.config.device).startswith("cuda")
         if self._is_cuda:
@@ -174,10 +177,11 @@ class StageLoop:
         return socket.gethostname()
 
     def load(self) -> LoadReport:
-        """The latest load snapshot (taken by the loop thread after each round)."""
+        """The latest load snapshot (taken by the loop thread after each round), with what
+        the replica runs: its weights' format and kernel ISA path."""
         if self._fatal is not None:  # a dead loop takes no more snapshots
-            return LoadReport(self.replica_id, is_alive=False, error=self._fatal)
-        return self._load
+            return LoadReport(self.replica_id, is_alive=False, error=self._fatal, **self._runs)
+        return replace(self._load, **self._runs)
 
     def rank_pids(self) -> list[int]:
         """The process of each tensor-parallel rank, rank 0 (this one) first; [this one] at TP=1."""

@@ -71,7 +71,7 @@ def test_status_does_not_show_a_dead_replicas_last_load(served, capsys):
     # EchoBackend's c1 is dead, its last report 7 running, 300 queued tokens, 5 in flight, 90% KV used
     assert main(["status", "--target", served.target]) == 0
     (c1,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("c1")]
-    assert c1 == ["c1", "colocated", "1", "NO", "down", "-", "-", "-", "-", "0"]
+    assert c1 == ["c1", "colocated", "1", "NO", "down", "-", "-", "-", "-", "0", "?/?"]  # ?/?: it never said
     assert main(["status", "--json", "--target", served.target]) == 0
     replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
     assert replicas["c1"]["is_alive"] is False
@@ -118,6 +118,33 @@ def test_profile_command(served, capsys, tmp_path):
     assert served.backend.profiles == [(0.5, str(tmp_path))]
     assert main(["profile", "--seconds", "0", "--out", str(tmp_path), "--target", served.target]) == 1
     assert "INVALID_ARGUMENT: seconds: must be in" in capsys.readouterr().err
+
+
+def test_status_names_each_replicas_weights_and_kernel_path(served, capsys, monkeypatch):
+    """A deployment may mix weight formats (a gguf prefill pool, a bf16 decode pool): `kvrelay
+    status` says which replica runs what, live or down; "?" where a server does not say."""
+    from cluster.types import ClusterStatus, ReplicaStatus, Stage
+
+    async def status():
+        return ClusterStatus("echo", "disaggregated", (
+            ReplicaStatus("p0", Stage.PREFILL, True, 0, 0, 0, 60, 64, quantization="gguf", kernel_isa="avx2"),
+            ReplicaStatus("d0", Stage.DECODE, True, 1, 0, 1, 30, 64, quantization="none",
+                          kernel_isa="avx512bf16"),
+            ReplicaStatus("d1", Stage.DECODE, False, state="failed", quantization="int8", kernel_isa="avx2"),
+            ReplicaStatus("d2", Stage.DECODE, True, 0, 0, 0, 64, 64),
+        ), num_waiting=0)
+    monkeypatch.setattr(served.backend, "status", status)
+    assert main(["status", "--target", served.target]) == 0  # through the gRPC frontend and back
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[-1] == "weights/kernels"
+    lines = {line.split()[0]: line.split() for line in out[2:]}
+    assert lines["p0"][-1] == "gguf/avx2" and lines["d0"][-1] == "none/avx512bf16"
+    assert lines["d1"][3:5] == ["NO", "failed"] and lines["d1"][-1] == "int8/avx2"
+    assert lines["d2"][-1] == "?/?"
+    assert main(["status", "--json", "--target", served.target]) == 0
+    replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
+    assert (replicas["p0"]["quantization"], replicas["p0"]["kernel_isa"]) == ("gguf", "avx2")
+    assert (replicas["d1"]["quantization"], replicas["d1"]["kernel_isa"]) == ("int8", "avx2")
 
 
 def test_status_shows_a_tensor_parallel_replica_as_one_with_its_ranks(served, capsys, monkeypatch):

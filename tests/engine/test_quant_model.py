@@ -194,7 +194,7 @@ def test_bench_names_each_weight_format_and_isa_path(tmp_path, capsys, quant_isa
     transformers run, each with its own memory wall."""
     import re
 
-    from engine.bench import main
+    from engine.bench import main, torch_capability
     from tests.engine.factories import save_tiny_model
 
     save_tiny_model(tmp_path / "m")
@@ -203,7 +203,12 @@ def test_bench_names_each_weight_format_and_isa_path(tmp_path, capsys, quant_isa
                  "--batch", "2", "--isa", quant_isa, "--quantization", "none,int8", "--write",
                  "--section", "## Quantized weights", "--benchmarks-file", str(md)]) == 0
     out = capsys.readouterr().out
-    assert f"| metric | kvrelay float32 torch ops | kvrelay int8 {quant_isa} | transformers |" in out
+    native = f"transformers (torch {torch_capability()})"
+    if quant_isa == "avx2" and torch_capability() != "AVX2":  # and a baseline of torch held to AVX2
+        assert (f"| metric | kvrelay float32 torch ops | kvrelay int8 avx2 | {native} | transformers (torch AVX2) "
+                f"| ratio float32 torch ops (vs torch {torch_capability()}) | ratio int8 avx2 (vs torch AVX2) |") in out
+    else:
+        assert f"| metric | kvrelay float32 torch ops | kvrelay int8 {quant_isa} | {native} | ratio" in out
     for label in ("float32 torch ops", f"int8 {quant_isa}"):
         assert f"| part of one single-stream decode step ({label}) | ms |" in out
     assert len(re.findall(r"\| bound: [\d.]+ MB of weights read", out)) == 2
