@@ -246,18 +246,19 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(out, default=lambda o: getattr(o, "value", str(o)), indent=2))
         return 0
     print(f"model {status.model_name} ({status.mode}), {status.num_waiting} waiting")
-    print(f"{'replica':<16} {'stage':<10} {'tp':>3} {'alive':<6} {'state':<10} {'running':>7} {'queued tok':>10} "
+    print(f"{'replica':<16} {'stage':<10} {'tp x pp':>7} {'alive':<6} {'state':<10} {'running':>7} {'queued tok':>10} "
           f"{'in flight':>9} {'KV used':>8} {'restarts':>8} {'weights/kernels':<16}")
     for r in status.replicas:
         runs = f"{r.quantization or '?'}/{r.kernel_isa or '?'}"  # e.g. gguf/avx2; ?: an older server
+        par = f"{r.tensor_parallel_size}x{r.pipeline_parallel_size}"
         if not r.is_alive:
             state = "down" if r.state == "serving" else r.state  # the router took it out; no watcher said why
-            print(f"{r.replica_id:<16} {r.stage.value:<10} {r.tensor_parallel_size:>3} {'NO':<6} {state:<10} {'-':>7} {'-':>10} {'-':>9} "
+            print(f"{r.replica_id:<16} {r.stage.value:<10} {par:>7} {'NO':<6} {state:<10} {'-':>7} {'-':>10} {'-':>9} "
                   f"{'-':>8} {r.num_restarts:>8} {runs:<16}" + (f"   last error: {r.last_error}" if r.last_error else ""))
             continue
         kv = f"{r.kv_usage:.0%}" if r.num_total_blocks else "-"
-        ranks = f"   ranks (pid): {' '.join(map(str, r.rank_pids))}" if r.tensor_parallel_size > 1 else ""
-        print(f"{r.replica_id:<16} {r.stage.value:<10} {r.tensor_parallel_size:>3} {'yes':<6} {r.state:<10} "
+        ranks = f"   ranks (pid): {' '.join(map(str, r.rank_pids))}" if len(r.rank_pids) > 1 else ""
+        print(f"{r.replica_id:<16} {r.stage.value:<10} {par:>7} {'yes':<6} {r.state:<10} "
               f"{r.num_running_seqs:>7} {r.num_queued_prefill_tokens:>10} {r.num_in_flight:>9} {kv:>8} "
               f"{r.num_restarts:>8} {runs:<16}" + ranks)
     return 0

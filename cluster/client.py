@@ -173,7 +173,7 @@ def _status(resp: pb.GetStatusResponse) -> ClusterStatus:
         ReplicaStatus(r.replica_id, Stage(r.stage), r.alive, r.running_seqs, r.queued_prefill_tokens,
                       r.in_flight, r.free_blocks, r.total_blocks, r.state or "serving", r.restarts, r.last_error,
                       r.tensor_parallel_size or 1, tuple(r.rank_pids), quantization=r.quantization,
-                      kernel_isa=r.kernel_isa)
+                      kernel_isa=r.kernel_isa, pipeline_parallel_size=r.pipeline_parallel_size or 1)
         for r in resp.replicas), resp.waiting)
 
 

@@ -232,7 +232,8 @@ def status_to_proto(status: ClusterStatus) -> pb.GetStatusResponse:
 def _replica_to_proto(r) -> pb.ReplicaStatus:
     health = dict(state=r.state, restarts=r.num_restarts, last_error=r.last_error,
                   tensor_parallel_size=r.tensor_parallel_size, rank_pids=list(r.rank_pids),
-                  quantization=r.quantization, kernel_isa=r.kernel_isa)
+                  quantization=r.quantization, kernel_isa=r.kernel_isa,
+                  pipeline_parallel_size=r.pipeline_parallel_size)
     if not r.is_alive:
         return pb.ReplicaStatus(replica_id=r.replica_id, stage=r.stage.value, alive=False, **health)
     return pb.ReplicaStatus(

@@ -85,7 +85,10 @@ _REPLICA_GAUGES = (  # (name, help, value of a ReplicaStatus)
     ("replica_kv_blocks", "KV cache blocks of the replica", lambda r: r.num_total_blocks),
     ("replica_restarts", "Times the replica was replaced after it died, stalled or its loop failed",
      lambda r: r.num_restarts),
-    ("replica_tensor_parallel_size", "Ranks of the replica (one process each)", lambda r: r.tensor_parallel_size),
+    ("replica_tensor_parallel_size", "Tensor-parallel ranks of each pipeline stage of the replica",
+     lambda r: r.tensor_parallel_size),
+    ("replica_pipeline_parallel_size", "Pipeline stages of the replica (its ranks: this x tensor_parallel_size)",
+     lambda r: r.pipeline_parallel_size),
 )
 
 _REPLICA_COUNTERS = (  # (name, help, value of a ReplicaStatus), since the replica (this incarnation) started

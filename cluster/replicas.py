@@ -126,7 +126,8 @@ class Replicas:
         """``s`` with the replica's health; a replica not serving reports no load (its last is stale)."""
         h = self._health[s.replica_id]
         # its ranks as of its last (re)connect, its weights and kernel path as of its last report
-        what = dict(tensor_parallel_size=max(1, len(h.rank_pids)), rank_pids=h.rank_pids, **h.runs)
+        pp = h.runs.get("pipeline_parallel_size", 1)
+        what = dict(tensor_parallel_size=max(1, len(h.rank_pids) // pp), rank_pids=h.rank_pids, **h.runs)
         if h.state is ReplicaState.SERVING:
             return replace(s, num_restarts=h.num_restarts, last_error=h.last_error, expert_load=h.expert_load,
                            num_prompt_tokens_computed=h.num_prompt_tokens_computed,
@@ -172,7 +173,8 @@ class Replicas:
         h.expert_load = tuple(getattr(load, "expert_load", ()))
         h.num_prompt_tokens_computed = getattr(load, "num_prompt_tokens_computed", 0)
         h.num_kv_bytes_sent = getattr(load, "num_kv_bytes_sent", 0)
-        h.runs = dict(quantization=load.quantization, kernel_isa=load.kernel_isa)
+        h.runs = dict(quantization=load.quantization, kernel_isa=load.kernel_isa,
+                      pipeline_parallel_size=getattr(load, "pipeline_parallel_size", 1))
         if not load.is_alive:
             self._replace(rid, "its stage loop died" + (f": {_first_line(load.error)}" if load.error else ""))
             return

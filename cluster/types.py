@@ -105,6 +105,7 @@ class ReplicaStatus:
     num_kv_bytes_sent: int = 0  # prefill: KV bytes of its transfers that ended DONE, since start
     quantization: str = ""  # its weights' format: none, gguf, int8 ("" unknown: no report yet, an older server)
     kernel_isa: str = ""  # its kernel ISA path: avx512bf16, avx2, or none (torch's ops)
+    pipeline_parallel_size: int = 1  # pipeline stages of the replica (ranks = tensor_parallel_size x this)
 
     @property
     def kv_usage(self) -> float:

@@ -120,6 +120,7 @@ class StageLoop:
         self._fatal: str | None = None
         self._load: LoadReport = self._snapshot_load()
         self._runs = dict(quantization=core.config.quantization,
+                          pipeline_parallel_size=core.config.pipeline_parallel_size,
                           kernel_isa=getattr(getattr(core.model, "ops", None), "isa", "none"))  # "none": torch's ops
         self._profile: ProfileWindow | None = None
         self._is_cuda = str(core.config.device).startswith("cuda")

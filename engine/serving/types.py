@@ -173,3 +173,4 @@ class LoadReport:
     # and its kernel ISA path (avx512bf16, avx2, or none: torch's ops); "" where unknown
     quantization: str = ""
     kernel_isa: str = ""
+    pipeline_parallel_size: int = 1  # its pipeline stages (each of tensor_parallel_size ranks)

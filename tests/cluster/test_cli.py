@@ -71,7 +71,7 @@ def test_status_does_not_show_a_dead_replicas_last_load(served, capsys):
     # EchoBackend's c1 is dead, its last report 7 running, 300 queued tokens, 5 in flight, 90% KV used
     assert main(["status", "--target", served.target]) == 0
     (c1,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("c1")]
-    assert c1 == ["c1", "colocated", "1", "NO", "down", "-", "-", "-", "-", "0", "?/?"]  # ?/?: it never said
+    assert c1 == ["c1", "colocated", "1x1", "NO", "down", "-", "-", "-", "-", "0", "?/?"]  # ?/?: it never said
     assert main(["status", "--json", "--target", served.target]) == 0
     replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
     assert replicas["c1"]["is_alive"] is False
@@ -147,7 +147,7 @@ def test_status_names_each_replicas_weights_and_kernel_path(served, capsys, monk
     assert (replicas["d1"]["quantization"], replicas["d1"]["kernel_isa"]) == ("int8", "avx2")
 
 
-def test_status_shows_a_tensor_parallel_replica_as_one_with_its_ranks(served, capsys, monkeypatch):
+def test_status_shows_a_parallel_replica_as_one_with_its_ranks(served, capsys, monkeypatch):
     from cluster.types import ClusterStatus, ReplicaStatus, Stage
 
     async def status():
@@ -155,13 +155,17 @@ def test_status_shows_a_tensor_parallel_replica_as_one_with_its_ranks(served, ca
             ReplicaStatus("c0", Stage.COLOCATED, True, 2, 0, 2, 30, 64, tensor_parallel_size=2,
                           rank_pids=(4100, 4101)),
             ReplicaStatus("c1", Stage.COLOCATED, True, 1, 0, 1, 60, 64),
+            ReplicaStatus("c2", Stage.COLOCATED, True, 1, 0, 1, 60, 64, tensor_parallel_size=2,
+                          pipeline_parallel_size=2, rank_pids=(4200, 4201, 4202, 4203)),
         ), num_waiting=0)
     monkeypatch.setattr(served.backend, "status", status)
     assert main(["status", "--target", served.target]) == 0  # through the gRPC frontend and back
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
-    assert lines["c0"][:4] == ["c0", "colocated", "2", "yes"] and lines["c0"][-3:] == ["(pid):", "4100", "4101"]
-    assert lines["c1"][:4] == ["c1", "colocated", "1", "yes"] and "(pid):" not in lines["c1"]
+    assert lines["c0"][:4] == ["c0", "colocated", "2x1", "yes"] and lines["c0"][-3:] == ["(pid):", "4100", "4101"]
+    assert lines["c1"][:4] == ["c1", "colocated", "1x1", "yes"] and "(pid):" not in lines["c1"]
+    assert lines["c2"][:4] == ["c2", "colocated", "2x2", "yes"] and lines["c2"][-4:] == ["4200", "4201", "4202", "4203"]
     assert main(["status", "--json", "--target", served.target]) == 0
     replicas = {r["replica_id"]: r for r in json.loads(capsys.readouterr().out)["replicas"]}
     assert replicas["c0"]["tensor_parallel_size"] == 2 and replicas["c0"]["rank_pids"] == [4100, 4101]
     assert replicas["c1"]["tensor_parallel_size"] == 1
+    assert (replicas["c2"]["tensor_parallel_size"], replicas["c2"]["pipeline_parallel_size"]) == (2, 2)

@@ -78,6 +78,10 @@ def test_a_pipeline_parallel_prefill_hands_off_token_exact(ray_instance, model, 
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"request {i} at prefill {prefill} -> decode TP={decode_tp} ({backend})"
         assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}
+        status = {r.replica_id: r for r in rc.client.status().replicas}
+        assert (status["prefill-0"].tensor_parallel_size, status["prefill-0"].pipeline_parallel_size) == \
+            (prefill.get("tensor_parallel_size", 1), prefill["pipeline_parallel_size"])
+        assert (status["decode-0"].tensor_parallel_size, status["decode-0"].pipeline_parallel_size) == (decode_tp, 1)
     every = [p for ps in pids.values() for p in ps]
     assert len(placement_groups()) == groups_before
     assert wait_gone(every) == []

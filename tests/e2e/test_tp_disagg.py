@@ -52,7 +52,8 @@ def _spec(model, prefill_tp: int, decode_tp: int, backend: str) -> dict:
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp, backend", [
-    (1, 2, "grpc"), (2, 1, "grpc"), (2, 2, "grpc"), (3, 1, "grpc"), (2, 1, "nccl"), (1, 3, "nccl")])
+    (1, 2, "grpc"), (2, 1, "grpc"), (2, 2, "grpc"), (3, 1, "grpc"),
+    (1, 2, "nccl"), (2, 1, "nccl"), (2, 2, "nccl"), (3, 1, "nccl"), (1, 3, "nccl")])
 def test_prefill_and_decode_at_different_tp_equal_engine_tp1(ray_instance, model, prompts, reference,
                                                              prefill_tp, decode_tp, backend):
     groups_before = len(placement_groups())

@@ -234,7 +234,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage", "state", "restarts", "last_error", "tensor_parallel_size", "rank_pids", "quantization", "kernel_isa")
+    __slots__ = ("replica_id", "stage", "alive", "running_seqs", "queued_prefill_tokens", "in_flight", "free_blocks", "total_blocks", "kv_usage", "state", "restarts", "last_error", "tensor_parallel_size", "rank_pids", "quantization", "pipeline_parallel_size", "kernel_isa")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class ReplicaStatus(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_PIDS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     stage: str
@@ -266,8 +267,9 @@ class ReplicaStatus(_message.Message):
     tensor_parallel_size: int
     rank_pids: _containers.RepeatedScalarFieldContainer[int]
     quantization: str
+    pipeline_parallel_size: int
     kernel_isa: str
-    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., quantization: _Optional[str] = ..., kernel_isa: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., stage: _Optional[str] = ..., alive: _Optional[bool] = ..., running_seqs: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., quantization: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., kernel_isa: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "mode", "replicas", "waiting")
