@@ -102,7 +102,7 @@ class NcclLink(GrpcControl):
         nbytes = chunk_nbytes(src, chunk)
         num_parts = pairing.num_parts(nbytes, chunk.num_layers)
         if (num_parts == chunk.num_layers and is_whole(src, chunk) and len(runs) == 1
-                and layers[0].device == self.staging.device):
+                and layers[chunk.layer].device == self.staging.device):  # (a pipeline rank: None where it holds no layer)
             first, n = runs[0]
             whole = slabs.as_slabs(layers)
             return [whole[layer][first:first + n].reshape(-1) for layer in chunk.layers], None
