@@ -119,6 +119,7 @@ class EngineCore:
             from engine.parallel.runner import PPRunner
 
             self.runner = PPRunner(self.model, self.kv_caches, config.block_size, config.seed, tp_group)
+            tp_group.pipe.share_expert_counts(self.model)  # every stage's layers' load, for expert_load
         elif tp_group is not None:
             from engine.parallel.runner import TPRunner
 
@@ -267,7 +268,8 @@ class EngineCore:
         """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
         (rows in ModelConfig.moe_layers order). Rank 0 routes every token, so these are the counts
         of every rank; with expert parallelism, a rank's load is the sum over the experts it holds
-        (`expert_ranks`)."""
+        (`expert_ranks`). With pipeline parallelism each stage's leader counts its own layers' rows in
+        the shared segment (engine.parallel.pipe.StageChannel.share_expert_counts)."""
         return self.model.expert_counts.clone()
 
     # ---- the loop ------------------------------------------------------

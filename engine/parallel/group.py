@@ -59,7 +59,8 @@ def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLa
     # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
     ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
     pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4,
-                ret_bytes=rows * model_config.vocab_size * 4) if pp > 1 else {}
+                ret_bytes=rows * model_config.vocab_size * 4,
+                counts_bytes=8 * len(model_config.moe_layers) * model_config.num_experts) if pp > 1 else {}
     return SegmentLayout.make(
         pp * tp,
         ar_bytes=min(config.max_num_batched_tokens * model_config.hidden_size * 4, 16 << 20),

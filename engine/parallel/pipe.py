@@ -72,6 +72,18 @@ class StageChannel:
         self.shm.set_flag(lay.act_ack(b, self.tp_rank), k)
         return x.view(num_tokens, hidden_size)
 
+    def share_expert_counts(self, model) -> None:
+        """A mixture of experts: make `model.expert_counts` ([sparse layers, experts], the rows of
+        every stage's layers) one tensor in the segment. Each stage's leader counts its own layers'
+        rows there as it routes (the stages' rows are disjoint), so rank 0 reads every layer's load
+        (EngineCore.expert_load) without a message. The other TP ranks of a stage keep their own
+        copy: they route the same tokens as their leader."""
+        lay, counts = self.layout, model.expert_counts
+        if not lay.counts_bytes or not self.is_leader:
+            return
+        assert counts.numel() * 8 == lay.counts_bytes, (counts.shape, lay.counts_bytes)
+        model.expert_counts = self.shm.region(lay.counts_offset, torch.int64, counts.numel()).view(counts.shape)
+
     def mark_done(self, k: int) -> None:
         """This stage computed batch k's layers (its KV is written)."""
         self.shm.set_flag(self.layout.stage_done(self.stage), k)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.model import LayerHook
 from engine.parallel.comm import CollectiveError
 from engine.parallel.group import TPGroup
-from engine.parallel.step import StepEncoder
+from engine.parallel.step import StepEncoder, is_plain_greedy
 from engine.profiling import FORWARD, SAMPLE, phase
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSeq
@@ -54,6 +56,7 @@ class InFlight:
     index: int
     samplers: list[ScheduledSeq]
     layer_hook: LayerHook | None
+    argmax: bool = False  # every sampler plain greedy: the last stage returns tokens (engine.parallel.step)
 
 
 class PPRunner(TPRunner):
@@ -81,7 +84,8 @@ class PPRunner(TPRunner):
                 self.pipe.send_hidden(self.num_batches, hidden)
         except BaseException as e:
             self._fail(e)
-        return InFlight(self.num_batches, [s for s in batch if s.samples], layer_hook)
+        samplers = [s for s in batch if s.samples]
+        return InFlight(self.num_batches, samplers, layer_hook, all(is_plain_greedy(s.seq) for s in samplers))
 
     def collect(self, batch: InFlight) -> dict[str, tuple[int, dict | None]]:
         """Wait for `batch` to leave the last stage; {request_id: (token, logprobs)} of its samplers."""
@@ -89,11 +93,14 @@ class PPRunner(TPRunner):
         on_stage_done = None if hook is None else lambda s: [hook(i) for i in self.stage_layers[s]]
         try:
             with phase(FORWARD):
-                logits = self.pipe.recv_logits(batch.index, len(batch.samplers), self.model.cfg.vocab_size,
-                                               on_stage_done)
+                width = 1 if batch.argmax else self.model.cfg.vocab_size  # tokens, or logits rows
+                logits = self.pipe.recv_logits(batch.index, len(batch.samplers), width, on_stage_done)
         except BaseException as e:
             self._fail(e)
         if not batch.samplers:
             return {}
+        if batch.argmax:  # the last stage took the argmax (engine.parallel.worker._run_stage)
+            tokens = logits.view(torch.int32).view(-1).tolist()
+            return {s.seq.request_id: (t, None) for s, t in zip(batch.samplers, tokens)}
         with phase(SAMPLE):
             return self.sample(batch.samplers, logits)

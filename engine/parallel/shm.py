@@ -69,6 +69,7 @@ class SegmentLayout:
     act_bytes: int = 0  # one hand-off slot of a boundary (a batch's hidden states)
     ret_bytes: int = 0  # one return slot (a batch's logits rows, last stage -> rank 0)
     pipe_slots: int = 2  # slots per boundary and for the return: double-buffered
+    counts_bytes: int = 0  # a mixture of experts: the stages' routed-token counters (engine.parallel.pipe)
 
     @property
     def tp(self) -> int:
@@ -138,16 +139,20 @@ class SegmentLayout:
         return self.act_offset(self.pp - 1, 0) + slot * self.ret_bytes
 
     @property
+    def counts_offset(self) -> int:
+        return self.ret_offset(self.pipe_slots)
+
+    @property
     def total_bytes(self) -> int:
-        return _round(self.ret_offset(self.pipe_slots), _PAGE)
+        return _round(self.counts_offset + self.counts_bytes, _PAGE)
 
     @classmethod
     def make(cls, size: int, ar_bytes: int, gather_bytes: int, ctrl_bytes: int, pp: int = 1,
-             act_bytes: int = 0, ret_bytes: int = 0) -> SegmentLayout:
+             act_bytes: int = 0, ret_bytes: int = 0, counts_bytes: int = 0) -> SegmentLayout:
         # rank 0 keeps up to pp batches in flight (engine.core); one more slot for a message between steps
         return cls(size, _round(ar_bytes, _PAGE), _round(gather_bytes, _PAGE), _round(ctrl_bytes, _PAGE),
                    pp=pp, ctrl_slots=1 if pp == 1 else pp + 1, act_bytes=_round(act_bytes, _PAGE),
-                   ret_bytes=_round(ret_bytes, _PAGE))
+                   ret_bytes=_round(ret_bytes, _PAGE), counts_bytes=counts_bytes)
 
 
 def create_segment(layout: SegmentLayout) -> str:

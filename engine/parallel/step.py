@@ -7,7 +7,9 @@ block ids. A step message is one flat int64 array:
     [STEP, n_drop, n_set, n_rows, n_tokens,
      drop slots...,                      sequences gone (finished, aborted) or preempted
      (slot, keep, n_new, ids...)...,     block table diffs: keep the first `keep` ids, append the new ones
-     (slot, start, n, samples)...,       the batch, in the scheduler's order
+     (slot, start, n, samples)...,       the batch, in the scheduler's order; samples 0 (no), 1, or
+                                         ARGMAX: a plain greedy row (no penalties, bias, logprobs or
+                                         grammar), whose token is its logits' argmax wherever computed
      tokens...]                          each row's n tokens, concatenated
 
 A preempted sequence is dropped (its blocks were freed) and comes back as a new one.
@@ -23,6 +25,14 @@ from engine.scheduler import ScheduledSeq
 
 STEP, STOP = 1, 2
 _HEADER = 5
+ARGMAX = 2  # a row's `samples`: greedy with nothing to apply to its logits (the last pipeline stage may pick it)
+
+
+def is_plain_greedy(seq) -> bool:
+    """Whether `seq`'s next token is its logits' argmax and nothing else is needed from them
+    (engine.sampler's greedy path, no logprobs, no guided-decoding mask)."""
+    p = seq.params
+    return p.is_greedy and not p.adjusts_logits and p.logprobs is None and seq.grammar is None
 
 
 class StepEncoder:
@@ -63,7 +73,7 @@ class StepEncoder:
             else:
                 sets += (slot, 0, len(blocks), *blocks)
                 held[:] = blocks
-            rows += (slot, s.start, s.num_new_tokens, int(s.samples))
+            rows += (slot, s.start, s.num_new_tokens, (ARGMAX if is_plain_greedy(seq) else 1) if s.samples else 0)
             tokens += seq.tokens_slice(s.start, s.start + s.num_new_tokens)
         msg = [STEP, len(drops), len(sets), len(batch), len(tokens), *drops, *sets, *rows, *tokens]
         return np.asarray(msg, dtype=np.int64).tobytes()
@@ -91,10 +101,11 @@ class _MirrorSeq:
 class MirrorRow:
     """A scheduled sequence as ModelRunner.prepare sees it."""
 
-    __slots__ = ("seq", "start", "num_new_tokens", "samples")
+    __slots__ = ("seq", "start", "num_new_tokens", "samples", "argmax")
 
-    def __init__(self, seq: _MirrorSeq, start: int, n: int, samples: bool):
-        self.seq, self.start, self.num_new_tokens, self.samples = seq, start, n, samples
+    def __init__(self, seq: _MirrorSeq, start: int, n: int, samples: int):
+        self.seq, self.start, self.num_new_tokens = seq, start, n
+        self.samples, self.argmax = bool(samples), samples == ARGMAX
 
 
 class StepDecoder:
@@ -122,6 +133,6 @@ class StepDecoder:
         rows = []
         for r in range(n_rows):
             slot, start, n, samples = m[i + 4 * r:i + 4 * r + 4]
-            rows.append(MirrorRow(_MirrorSeq(self.blocks[slot], start, m[tok:tok + n]), start, n, bool(samples)))
+            rows.append(MirrorRow(_MirrorSeq(self.blocks[slot], start, m[tok:tok + n]), start, n, samples))
             tok += n
         return rows

@@ -139,8 +139,9 @@ def memory_report(model) -> RankMemory:
     return RankMemory(weight_bytes, status.get("RssAnon", 0), status.get("VmHWM", 0))
 
 
-def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sample_rows) -> None:
-    """Batch k on this rank's pipeline stage (engine.parallel.pipe)."""
+def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sample_rows, argmax: bool) -> None:
+    """Batch k on this rank's pipeline stage (engine.parallel.pipe). With `argmax` (every sampled
+    row plain greedy), the last stage returns the rows' tokens instead of their logits."""
     inputs = None
     if not pipe.is_first:
         inputs = pipe.recv_hidden(k, input_ids.shape[0], model.cfg.hidden_size, model.dtype)
@@ -154,6 +155,8 @@ def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sampl
         pipe.mark_done(k)
     logits = model.compute_logits(hidden[sample_rows]) if sample_rows else None  # gathered to the leader
     if pipe.is_leader:
+        if argmax and logits is not None:  # int32 ids in the float32 slot, bit for bit (runner.PPRunner.collect)
+            logits = logits.argmax(dim=-1).to(torch.int32).view(torch.float32)
         pipe.send_logits(k, logits)
 
 
@@ -233,6 +236,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             from engine.parallel.pipe import StageChannel
 
             pipe = StageChannel(shm, spec.rank)
+            pipe.share_expert_counts(model)
         num_batches = 0
         with torch.no_grad():
             while True:
@@ -250,7 +254,8 @@ def worker_main(spec: WorkerSpec, conn) -> None:
                     if sample_rows:
                         model.compute_logits(hidden[sample_rows])  # this rank's vocabulary slice, to rank 0
                     continue
-                _run_stage(pipe, model, num_batches, input_ids, positions, meta, kv_caches, sample_rows)
+                argmax = all(r.argmax for r in rows if r.samples)
+                _run_stage(pipe, model, num_batches, input_ids, positions, meta, kv_caches, sample_rows, argmax)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which decides
         if shm is not None:
             shm.abort()

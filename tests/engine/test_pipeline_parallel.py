@@ -154,6 +154,54 @@ def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch):
     assert overlapped > 0.9 * launches  # the next batch starts while the last is on stage 1
 
 
+def test_every_sampling_mode_equals_pp1_and_plain_greedy_returns_tokens_only(tmp_path, monkeypatch):
+    """The last stage takes the argmax itself (and returns 4 bytes a row instead of the logits)
+    only for a batch whose every sampler is plain greedy; seeded sampling, logprobs, penalties and
+    logit_bias beside greedy rows still get the logits on rank 0: every token and logprob is PP=1's."""
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    prompts = random_prompts(8, 96, [4, 11, 25], seed=6)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    modes = [greedy] * 4 + [  # (a micro-batch takes half of the sequences, in order)
+        SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=3, logit_bias={5: 4.0}, ignore_eos=True),
+    ]
+
+    def run(**kw):
+        with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, **kw) as llm:
+            outs = llm.generate(prompts, modes)
+            return [(o.token_ids, o.logprobs) for o in outs]
+
+    ref = run()
+    from engine.parallel.runner import PPRunner
+
+    def same(a, b):  # tokens exactly; logprobs to fp32 rounding (the LM head sees 8 rows at PP=1, 4 here)
+        for (ta, la), (tb, lb) in zip(a, b):
+            assert ta == tb
+            assert (la is None) == (lb is None)
+            for x, y in zip(la or [], lb or []):
+                assert x["token_logprob"] == pytest.approx(y["token_logprob"], abs=1e-5)
+                assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+        return len(a) == len(b)
+
+    kinds = []  # per collected batch with samplers: whether it came back as tokens
+    collect = PPRunner.collect
+
+    def logged_collect(self, batch):
+        if batch.samplers:
+            kinds.append(batch.argmax)
+        return collect(self, batch)
+
+    monkeypatch.setattr(PPRunner, "collect", logged_collect)
+    assert same(run(pipeline_parallel_size=2), ref)
+    assert True in kinds and False in kinds  # both ways back were taken
+    # greedy alone: every batch comes back as tokens
+    kinds.clear()
+    assert generate(tmp_path, prompts, greedy, pipeline_parallel_size=2) == generate(tmp_path, prompts, greedy)
+    assert kinds and all(kinds)
+
+
 def test_pipelined_long_prompt_equals_unchunked(tmp_path):
     """One 200-token prompt in chunks of 16 at PP=2: consecutive chunks are in the pipeline
     together (chunk k+1 on stage 0 while chunk k is on stage 1), and the output is that of
@@ -252,6 +300,24 @@ def test_a_bad_split_is_refused_before_any_rank_starts(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, **kw)
     assert not spawned_children()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_expert_load_counts_every_stages_layers(tmp_path, kind):
+    """A mixture of experts at PP=2: the per-layer, per-expert token counts rank 0 reports
+    (EngineCore.expert_load, the replica metric's source) are PP=1's, later stages' layers included."""
+    save_tiny_model(tmp_path, kind, num_hidden_layers=4)
+    prompts = random_prompts(6, 96, [9, 30], seed=8)
+
+    def load(**kw):
+        with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, **kw) as llm:
+            llm.generate(prompts, GREEDY)
+            return llm.core.expert_load()
+
+    ref, got = load(), load(pipeline_parallel_size=2)
+    assert ref.shape == got.shape and ref.shape[0] >= 2
+    assert int(got[-1].sum()) > 0  # the last stage's sparse layer is counted, not zeros
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.slow
