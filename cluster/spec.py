@@ -116,6 +116,9 @@ class StageSpec(_Strict):
     kv_cache_prefault: bool = True
     # matmul weights kept quantized on CPU replicas (engine.config.EngineConfig.quantization)
     quantization: Literal["none", "int8", "gguf"] = "none"
+    # CPU replicas' native kernels: the best this CPU runs (auto), one instruction set by name (a
+    # replica fails at start, naming it, where the CPU lacks it), or none (torch's own ops)
+    kernel_isa: Literal["auto", "avx512bf16", "avx2", "none"] = "auto"
     # a mixture of experts at tensor_parallel_size > 1: split the experts across the ranks
     # (attention stays tensor-parallel); see engine.config.EngineConfig
     enable_expert_parallel: bool = False
@@ -194,6 +197,7 @@ class StageSpec(_Strict):
             tp_backend=self.tp_backend,
             tp_timeout_s=self.tp_timeout_s,
             quantization=self.quantization,
+            kernel_isa=self.kernel_isa,
             enable_expert_parallel=self.enable_expert_parallel,
             seed=seed,
             **kwargs,

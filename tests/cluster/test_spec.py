@@ -93,6 +93,14 @@ def test_split_gives_each_component_its_config():
 
 
 
+def test_each_stage_names_its_kernel_path():
+    cfg = split_spec(Spec.model_validate({"prefill": {"kernel_isa": "none"}, "decode": {"kernel_isa": "avx2"}}))
+    assert cfg.stages[Stage.PREFILL].engine.kernel_isa == "none"
+    assert cfg.stages[Stage.DECODE].engine.kernel_isa == "avx2"
+    assert split_spec(Spec.model_validate({})).stages[Stage.DECODE].engine.kernel_isa == "auto"
+    assert any("decode.kernel_isa" in p for p in problems({"decode": {"kernel_isa": "avx1024"}}))
+
+
 def test_transfer_defaults_are_the_transfer_services():
     transfer = split_spec(Spec.model_validate({})).transfer
     assert transfer.sender == SenderConfig() and transfer.receiver == ReceiverConfig()
