@@ -97,13 +97,15 @@ def cpu_runs_bf16_fast() -> bool:
 
 
 def _build_dir(isa: str) -> Path:
-    """One folder per (torch version, kernel sources, ISA): checkouts with other
-    sources (another version, a work tree) never rebuild over each other."""
+    """One folder per (torch installation, kernel sources, ISA): checkouts with other
+    sources (another version, a work tree) never rebuild over each other, and nor do two
+    environments with the same sources: build.ninja names the torch headers' folder, so
+    two virtualenvs sharing a folder would each rebuild the other's build on every load."""
     import hashlib
 
     from engine.weights import default_cache_dir
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode() + b"\0")
     for p in sorted(_CSRC.iterdir()):
         if p.suffix in (".cpp", ".h"):
             h.update(p.name.encode() + b"\0" + p.read_bytes())

@@ -31,11 +31,11 @@ import torch
 SECTION = "## Pipeline parallelism"
 
 
-def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool):
+def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool, split=None):
     from engine.llm import LLM
 
     return LLM(None, pipeline_parallel_size=pp, max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks,
-               enable_prefix_caching=prefix_caching, max_num_seqs=16)
+               enable_prefix_caching=prefix_caching, max_num_seqs=16, pipeline_layer_split=split)
 
 
 def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
@@ -62,12 +62,12 @@ def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
         return out
 
 
-def decode(pp: int, streams: int, prompt_len: int, new_tokens: int) -> dict:
+def decode(pp: int, streams: int, prompt_len: int, new_tokens: int, split=None) -> dict:
     from engine.sampling import SamplingParams
     from engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(1)
-    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True) as llm:
+    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True, split) as llm:
         core = llm.core
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         seqs = [Sequence(f"s{i}", torch.randint(10, 49152, (prompt_len,), generator=g).tolist(), params)
@@ -89,10 +89,14 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--decode-split", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                    help="also decode at PP=2 with this pipeline_layer_split (e.g. 17,13: fewer layers on the "
+                         "last stage, which also runs the LM head)")
     ap.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     args = ap.parse_args(argv)
     # key: PP=1 on 2 threads (1), PP=2 (2), and as a control PP=1 on 1 thread (0)
     runs: dict[int, list] = {1: [], 2: [], 0: []}
+    split_runs: list[float] = []  # PP=2 decode with --decode-split
     threads = torch.get_num_threads()
     for r in range(args.rounds):
         for key in (1, 2, 0):
@@ -102,6 +106,9 @@ def main(argv=None) -> None:
             d = decode(pp, 16, 32, 64)
             runs[key].append({**p, **d})
             print(f"round {r} run {key}: TTFT {p['ttft_s']:.2f} s, decode {d['tok_s']:.1f} tok/s", file=sys.stderr)
+            if key == 2 and args.decode_split:
+                split_runs.append(decode(2, 16, 32, 64, args.decode_split)["tok_s"])
+                print(f"round {r} PP=2 split {args.decode_split}: decode {split_runs[-1]:.1f} tok/s", file=sys.stderr)
     torch.set_num_threads(threads)
     med = {key: {k: statistics.median(x[k] for x in rs) for k in ("ttft_s", "tok_s")} for key, rs in runs.items()}
     one, two = runs[1][0], runs[2][0]
@@ -120,7 +127,10 @@ def main(argv=None) -> None:
         f"| TTFT, one {args.prompt_len}-token prompt in {n} chunks of {args.chunk} (s) | {med[1]['ttft_s']:.2f} | "
         f"{med[2]['ttft_s']:.2f} | {med[2]['ttft_s'] / med[1]['ttft_s']:.2f}x |",
         f"| decode, 16 streams (tokens/s) | {med[1]['tok_s']:.1f} | {med[2]['tok_s']:.1f} | "
-        f"{med[2]['tok_s'] / med[1]['tok_s']:.2f}x |", "",
+        f"{med[2]['tok_s'] / med[1]['tok_s']:.2f}x |",
+        *([f"| decode, 16 streams, PP=2 split {args.decode_split} (tokens/s) | {med[1]['tok_s']:.1f} | "
+           f"{statistics.median(split_runs):.1f} | {statistics.median(split_runs) / med[1]['tok_s']:.2f}x |"]
+          if split_runs else []), "",
         f"Control, PP=1 on 1 thread: TTFT {med[0]['ttft_s']:.2f} s, decode {med[0]['tok_s']:.1f} tokens/s.", "",
         f"Bytes handed from stage 0 to stage 1 per token: measured {two['bytes_per_token']:.0f}; theory "
         f"hidden_size x {one['dtype']} = {one['hidden']} x {itemsize} B = {one['hidden'] * itemsize} "
@@ -131,8 +141,11 @@ def main(argv=None) -> None:
         f"{bubble_1t:.0%}; the pipeline's own with {n} chunks on 2 stages: 1 / {n + 1} = {1 / (n + 1):.0%}.",
         "", "Every round, TTFT s / decode tok/s (PP=1 2 threads | PP=2 | PP=1 1 thread): " + "; ".join(
             f"{a['ttft_s']:.2f} / {a['tok_s']:.1f} | {b['ttft_s']:.2f} / {b['tok_s']:.1f} | "
-            f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0])), "",
-        "- Command: `python -m engine.parallel.pp_bench --write`",
+            f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0]))
+        + (f"; PP=2 split {args.decode_split} decode tok/s by round: " + ", ".join(f"{x:.1f}" for x in split_runs)
+           if split_runs else ""), "",
+        "- Command: `python -m engine.parallel.pp_bench --write"
+        + (f" --decode-split {','.join(map(str, args.decode_split))}`" if args.decode_split else "`"),
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- Machine: `nproc` {os.cpu_count()}, {cpu}, ISA `{isa}`, torch {torch.__version__}, "
         f"Python {platform.python_version()}, load average {load:.1f} when it finished",
