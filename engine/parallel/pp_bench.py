@@ -134,8 +134,9 @@ def main(argv=None) -> None:
         f"Control, PP=1 on 1 thread: TTFT {med[0]['ttft_s']:.2f} s, decode {med[0]['tok_s']:.1f} tokens/s.", "",
         f"Bytes handed from stage 0 to stage 1 per token: measured {two['bytes_per_token']:.0f}; theory "
         f"hidden_size x {one['dtype']} = {one['hidden']} x {itemsize} B = {one['hidden'] * itemsize} "
-        "(the residual stream only; the last stage returns the sampled rows' logits, "
-        "vocab x 4 B per sampled token, to rank 0).", "",
+        "(the residual stream only; the last stage returns to rank 0 a token id, 4 B, per sampled row "
+        "of a batch whose every sampler is plain greedy, as here, and the rows' logits, vocab x 4 B "
+        "each, otherwise).", "",
         f"Bubble left in the pipelined prefill: {bubble:.0%} of the two cores' time "
         f"(1 - T(PP=1) / T(PP=2)); against the 1-thread control, 1 - (T(PP=1, 1 thread) / 2) / T(PP=2) = "
         f"{bubble_1t:.0%}; the pipeline's own with {n} chunks on 2 stages: 1 / {n + 1} = {1 / (n + 1):.0%}.",
