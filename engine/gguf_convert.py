@@ -81,7 +81,10 @@ LAYER_TENSORS = {
 }
 # a sparse layer's experts, stacked [E, out, in] -> each expert's projection (engine.moe.expert_name)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_EXPERTS_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+EXPERTS_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+# 2-D tensors that route rather than compute (a router, the shared expert's gate): float32 even
+# where quantization "gguf" keeps the matmul weights' blocks (engine.quant.read_gguf_rows)
+FP32_MATRICES = {"gate", "shared_expert_gate"}
 # Tensors HF's implementation has no place for: rope_freqs holds llama3 rope
 # scaling factors, which HF derives from config instead.
 IGNORED_TENSORS = {"rope_freqs.weight"}
@@ -253,6 +256,13 @@ def _moe_config(model_type: str, get, tensor_dims: dict[str, list[int]], num_lay
     return out
 
 
+def expert_tensor_name(match: re.Match, expert: int) -> str:
+    """The per-expert HF name of expert `expert` of a stacked tensor matched by EXPERTS_RE."""
+    from engine.moe import expert_name
+
+    return expert_name(int(match.group(1)), expert, EXPERT_TENSORS[match.group(2)])
+
+
 def check_expert_tensors(reader, path: Path, config: dict[str, Any]) -> None:
     """Raise CheckpointError naming the first GGUF tensor a sparse layer lacks (its router, a stacked
     expert projection, a shared expert's), or a stacked expert tensor whose expert count is wrong."""
@@ -301,12 +311,10 @@ def gguf_tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.
     """Every tensor of the file, dequantized to float32, under its HF name and layout."""
     from gguf.quants import dequantize
 
-    from engine.moe import expert_name
-
     permuted = config["model_type"] in PERMUTED_QK_ARCHITECTURES
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        experts = _EXPERTS_RE.fullmatch(t.name)
+        experts = EXPERTS_RE.fullmatch(t.name)
         name = None if experts else hf_tensor_name(t.name)
         if name is None and not experts:
             continue
@@ -319,9 +327,8 @@ def gguf_tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         w = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
         if experts:  # [E, out, in]: one tensor per expert
-            layer, proj = int(experts.group(1)), EXPERT_TENSORS[experts.group(2)]
             for e in range(shape[0]):
-                tensors[expert_name(layer, e, proj)] = w[e].clone()
+                tensors[expert_tensor_name(experts, e)] = w[e].clone()
             continue
         if name.endswith(".shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp may store the shared expert's gate as a vector

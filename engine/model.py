@@ -42,7 +42,7 @@ from engine.moe import MoEBlock
 from engine.parallel.comm import SINGLE, Collectives
 from engine.parallel.moe import make_combine
 from engine.parallel.sharding import ShardLayout
-from engine.quant import QuantRows, QuantWeight, quantize_int8
+from engine.quant import QuantRows, QuantWeight, fuse_rows, quantize_int8
 
 LayerHook = Callable[[int], None]
 
@@ -99,9 +99,6 @@ class LlamaModel:
                  use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
                  comm: Collectives | None = None, quantization: str = "none", moe_dispatch: str = "allreduce"):
         self.cfg = cfg
-        if quantization != "none" and cfg.is_moe:
-            raise ConfigError(f"quantization: {quantization!r} is not supported for a mixture-of-experts model "
-                              f"({cfg.architecture}) yet: its experts are not quantized; use 'none'")
         self.quantization = quantization
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
@@ -130,7 +127,7 @@ class LlamaModel:
             L = Layer()
             L.in_norm = w.take(p + "input_layernorm.weight", (H,))
             L.post_norm = w.take(p + "post_attention_layernorm.weight", (H,))
-            L.qkv_w = _cat([
+            L.qkv_w = fuse_rows([
                 w.take(p + "self_attn.q_proj.weight", (self.q_size, H)),
                 w.take(p + "self_attn.k_proj.weight", (self.kv_size, H)),
                 w.take(p + "self_attn.v_proj.weight", (self.kv_size, H)),
@@ -146,7 +143,7 @@ class LlamaModel:
                 self.moe[i] = MoEBlock(cfg, i, shard.experts, shard.moe_intermediate_size,
                                        shard.shared_intermediate_size, w.take)
             else:
-                L.gate_up_w = _cat([
+                L.gate_up_w = fuse_rows([
                     w.take(p + "mlp.gate_proj.weight", (I, H)),
                     w.take(p + "mlp.up_proj.weight", (I, H)),
                 ], p + "mlp.gate|up_proj")
@@ -187,7 +184,8 @@ class LlamaModel:
                 self._quantize_matmul_weights()
                 if self.device.type == "cpu":
                     self._to_huge_pages()
-            self.fused = None if self.shard.is_sharded or self.shard.pp_size > 1 else self.ops.fused_decoder(self)
+            self.fused = (None if self.shard.is_sharded or self.shard.pp_size > 1 or self.cfg.is_moe
+                          else self.ops.fused_decoder(self))
             return
         ops = make_ops(self.dtype, self.device, isa=kernel_isa)
         packed = isinstance(self.layers[0].qkv_w, PackedWeight)
@@ -230,14 +228,18 @@ class LlamaModel:
             self.embed = None
 
     def _quantize_matmul_weights(self) -> None:
-        """The matmul weights, the LM head and the embeddings as QuantWeight: taken as
-        stored where the checkpoint holds them quantized (gguf), else quantized to int8."""
+        """The matmul weights (the experts' too), the LM head and the embeddings as QuantWeight:
+        taken as stored where the checkpoint holds them quantized (gguf), else quantized to int8."""
         def quant(w):
             return QuantWeight.pack(w if isinstance(w, QuantRows) else quantize_int8(w))
 
         for L in self.layers:
             for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-                setattr(L, name, quant(getattr(L, name)))
+                if getattr(L, name) is not None:  # (None: a sparse layer's MLP)
+                    setattr(L, name, quant(getattr(L, name)))
+        for m in self.moe:  # the experts' matmuls; the routers and the shared expert's gate stay fp32
+            if m is not None:
+                m.map_weights(quant, routers=False)
         tied = self.lm_head is self.embed
         self.lm_head = quant(self.lm_head)
         self.embed = None if tied else quant(self.embed)
@@ -354,15 +356,6 @@ class LlamaModel:
             return logits
         full = self.comm.gather_vocab(logits)  # [N, size * vocab_shard] on the sampling rank
         return None if full is None else full[:, : self.shard.vocab_size]
-
-
-def _cat(parts: list, what: str):
-    """Matmul weights fused by rows (q|k|v, gate|up): tensors, or QuantRows of one format."""
-    if any(isinstance(p, QuantRows) for p in parts):
-        if not all(isinstance(p, QuantRows) for p in parts):
-            raise ConfigError(f"checkpoint: {what}: some parts are quantized and some are not")
-        return QuantRows.cat(parts, what)
-    return torch.cat(parts).contiguous()
 
 
 class _WeightTaker:

