@@ -11,7 +11,8 @@ Tensor parallelism is applied from outside: the weights come already cut by
 `engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
-gather of the vocab-parallel logits; OLMoE's full-width q/k norm all-reduces its [T, 2] sums of squares). At TP=1 both are no-ops.
+gather of the vocab-parallel logits; OLMoE's full-width q/k norm all-reduces its [T, 2]
+sums of squares). At TP=1 both are no-ops.
 Pipeline parallelism too: `shard.layers` names the contiguous global layers this
 rank builds (the embedding only on the first stage, the final norm and LM head
 only on the last), and ``forward`` of a later stage takes the previous stage's

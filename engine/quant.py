@@ -223,7 +223,8 @@ def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows
         experts = EXPERTS_RE.fullmatch(t.name)
         if experts:
             for e in range(shape[0]):
-                out[expert_tensor_name(experts, e)] = rows(t.data[e], t.tensor_type.name, shape[1:], f"{path}: tensor {t.name!r}")
+                out[expert_tensor_name(experts, e)] = rows(t.data[e], t.tensor_type.name, shape[1:],
+                                                           f"{path}: tensor {t.name!r}")
             continue
         name = hf_tensor_name(t.name)
         if name is None:

@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams
 from engine.weights import CheckpointError, load_checkpoint, resolve_model
 from tests.conftest import require_isa
 from tests.engine.factories import hf_greedy_mismatch, random_prompts, tiny_hf_config
-from tests.engine.test_gguf_convert import CHAT_TEMPLATE, gguf_name, llama_cpp_permute, tiny_vocab
+from tests.engine.test_gguf_convert import add_tiny_metadata, gguf_name, llama_cpp_permute, tiny_vocab
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
@@ -49,22 +49,11 @@ def write_moe_gguf(path, kind: str, qtypes: dict[str, Q] | None = None, drop: st
     (ffn_gate_inp*) and the vectors stay F32, as llama.cpp keeps them. overrides: of the HF config."""
     from transformers import AutoModelForCausalLM
 
-    tokens, types = tiny_vocab()
     torch.manual_seed(0)
-    cfg = tiny_hf_config(kind, vocab_size=len(tokens), rope_theta=5000.0, **overrides)
+    cfg = tiny_hf_config(kind, vocab_size=len(tiny_vocab()[0]), rope_theta=5000.0, **overrides)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     writer = gguf.GGUFWriter(path, GGUF_ARCH[kind])
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(5000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_tiny_metadata(writer, cfg)
     num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     writer.add_expert_count(num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -73,13 +62,6 @@ def write_moe_gguf(path, kind: str, qtypes: dict[str, Q] | None = None, drop: st
         writer.add_expert_feed_forward_length(inter)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e"])
-    writer.add_bos_token_id(257)
-    writer.add_eos_token_id(258)
-    writer.add_chat_template(CHAT_TEMPLATE)
 
     state = model.state_dict()
     for name, value in state.items():
