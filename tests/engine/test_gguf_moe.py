@@ -37,6 +37,8 @@ def moe_gguf_tensors(name: str, w: np.ndarray, inter: int) -> list[tuple[str, np
     if rest == "mlp.experts.down_proj":
         return [(f"blk.{layer}.ffn_down_exps.weight", w)]
     base = rest.rsplit(".", 1)[0]
+    if base == "mlp.shared_expert_gate":  # [1, H], which llama.cpp creates as a vector
+        return [(f"blk.{layer}.{MOE_NAMES[base]}.weight", w.reshape(-1))]
     if base in MOE_NAMES:
         return [(f"blk.{layer}.{MOE_NAMES[base]}.weight", w)]
     return [(gguf_name(name), w)]
