@@ -19,8 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
-MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    # OLMoE: the q and k norms span the full projected width (every head's q, every KV head's k),
+    # applied before the head split; under tensor parallelism their mean square sums all ranks
+    qk_norm_full_width: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the norms
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -116,7 +121,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
                                 else cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_full_width=arch == "olmoe",
+            clip_qkv=float(cfg["clip_qkv"]) if arch == "olmoe" and cfg.get("clip_qkv") is not None else None,
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -148,6 +155,8 @@ class ModelConfig:
             bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
             if bad:
                 raise ConfigError(f"config.json: MoE layer {bad[0]} is outside the {self.num_layers} layers")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ConfigError(f"config.json: clip_qkv must be > 0 (or null), got {self.clip_qkv}")
         rs = self.rope_scaling
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))
@@ -160,10 +169,13 @@ class ModelConfig:
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of ModelConfig from an HF config (none for a dense family)."""
-    if arch == "mixtral":  # every layer sparse, the experts' size is intermediate_size, top-k renormalized
+    if arch in ("mixtral", "olmoe"):
+        # every layer sparse, the experts' size is intermediate_size; Mixtral renormalizes the
+        # top-k weights, OLMoE where norm_topk_prob says (it is false in the released models)
         n = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
         return dict(num_experts=n, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(cfg.get("intermediate_size", 0)), norm_topk_prob=True,
+                    moe_intermediate_size=int(cfg.get("intermediate_size", 0)),
+                    norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
                     moe_layers=tuple(range(int(cfg.get("num_hidden_layers", 0)))) if n else ())
     if arch in ("qwen2_moe", "qwen3_moe"):
         # layer i is sparse unless listed in mlp_only_layers, where (i + 1) % decoder_sparse_step == 0

@@ -5,7 +5,12 @@
 2. Dequantize every tensor to float32 with `gguf.quants.dequantize`, rename it
    from llama.cpp's names to Hugging Face's Llama names, and undo the row
    permutation llama.cpp applies to the q and k projections of llama-arch
-   models (see `unpermute_qk`).
+   models (see `unpermute_qk`). A mixture of experts (qwen2moe, qwen3moe, and
+   llama-arch files with an ``expert_count``: Mixtral) stores each sparse
+   layer's experts stacked, ``blk.N.ffn_{gate,up,down}_exps`` [E, ...]: they
+   are split into the per-expert names engine.moe takes
+   (``mlp.experts.{j}.gate_proj.weight`` ...), beside the router
+   (``ffn_gate_inp``) and Qwen2-MoE's shared expert (``ffn_*_shexp``).
 3. Build the tokenizer from the file's embedded vocabulary with transformers'
    GGUF support and save it (``tokenizer.json``, ``tokenizer_config.json``
    with the chat template).
@@ -42,9 +47,13 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
-# llama.cpp stores q and k of these architectures with rope pairs interleaved.
-PERMUTED_QK_ARCHITECTURES = {"llama"}
+# a llama-arch file with experts (expert_count > 0) is a Mixtral
+LLAMA_MOE_ARCHITECTURE = ("MixtralForCausalLM", "mixtral")
+# llama.cpp stores q and k of these architectures (HF model_type) with rope pairs interleaved.
+PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral"}
 
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -63,7 +72,19 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # a sparse layer's router and Qwen2-MoE's shared expert with its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# a sparse layer's experts, stacked [E, out, in] -> each expert's projection (engine.moe.expert_name)
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+EXPERTS_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+# 2-D tensors that route rather than compute (a router, the shared expert's gate): float32 even
+# where quantization "gguf" keeps the matmul weights' blocks (engine.quant.read_gguf_rows)
+FP32_MATRICES = {"gate", "shared_expert_gate"}
 # Tensors HF's implementation has no place for: rope_freqs holds llama3 rope
 # scaling factors, which HF derives from config instead.
 IGNORED_TENSORS = {"rope_freqs.weight"}
@@ -113,6 +134,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
     config = gguf_config(reader, path)
+    check_expert_tensors(reader, path, config)
     tensors = gguf_tensors(reader, path, config)
 
     model_cfg = ModelConfig.from_hf_dict(config)
@@ -157,6 +179,8 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and (_field(reader, "llama.expert_count", 0) or 0) > 0:
+        hf_arch, model_type = LLAMA_MOE_ARCHITECTURE
 
     def get(key: str, default: Any = ...) -> Any:
         value = _field(reader, f"{arch}.{key}", None)
@@ -176,7 +200,9 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": int(get("vocab_size", tensor_dims["token_embd.weight"][0])),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        # (a mixture of experts without dense layers may leave it out: the experts' size then)
+        "intermediate_size": int(get("feed_forward_length", None) or get("expert_feed_forward_length", None)
+                                 or get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -190,6 +216,7 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
     }
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_dims
+    config.update(_moe_config(model_type, get, tensor_dims, config["num_hidden_layers"]))
     scaling = get("rope.scaling.type", None)
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -206,6 +233,54 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
+
+
+def _moe_config(model_type: str, get, tensor_dims: dict[str, list[int]], num_layers: int) -> dict[str, Any]:
+    """The HF mixture-of-experts fields from the ``{arch}.expert_*`` metadata (none for a dense file).
+    A layer is sparse where the file holds any of its router or stacked experts, dense otherwise."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    top_k = int(get("expert_used_count"))
+    if model_type == "mixtral":  # every layer sparse, the experts of feed_forward_length
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    sparse = [i for i in range(num_layers)
+              if any(f"blk.{i}.{t}.weight" in tensor_dims for t in ("ffn_gate_inp", *EXPERT_TENSORS))]
+    out = {"num_experts": experts, "num_experts_per_tok": top_k,
+           "moe_intermediate_size": int(get("expert_feed_forward_length")),
+           # llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says
+           "norm_topk_prob": bool(get("expert_weights_norm", model_type == "qwen3_moe")),
+           "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(num_layers) if i not in sparse]}
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+    return out
+
+
+def expert_tensor_name(match: re.Match, expert: int) -> str:
+    """The per-expert HF name of expert `expert` of a stacked tensor matched by EXPERTS_RE."""
+    from engine.moe import expert_name
+
+    return expert_name(int(match.group(1)), expert, EXPERT_TENSORS[match.group(2)])
+
+
+def check_expert_tensors(reader, path: Path, config: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the first GGUF tensor a sparse layer lacks (its router, a stacked
+    expert projection, a shared expert's), or a stacked expert tensor whose expert count is wrong."""
+    model_cfg = ModelConfig.from_hf_dict(config)
+    if not model_cfg.is_moe:
+        return
+    dims = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}
+    wanted = ["ffn_gate_inp", *EXPERT_TENSORS]
+    if model_cfg.shared_expert_intermediate_size:
+        wanted += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"]
+    for i in model_cfg.moe_layers:
+        for t in wanted:
+            key = f"blk.{i}.{t}.weight"
+            if key not in dims:
+                raise CheckpointError(f"{path}: tensor {key!r} is missing (layer {i} is a mixture of experts)")
+            if t in EXPERT_TENSORS and (len(dims[key]) != 3 or dims[key][0] != model_cfg.num_experts):
+                raise CheckpointError(f"{path}: tensor {key!r} has shape {dims[key]}, expected "
+                                      f"[{model_cfg.num_experts}, ...] (one matrix per expert)")
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -239,8 +314,9 @@ def gguf_tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.
     permuted = config["model_type"] in PERMUTED_QK_ARCHITECTURES
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
+        experts = EXPERTS_RE.fullmatch(t.name)
+        name = None if experts else hf_tensor_name(t.name)
+        if name is None and not experts:
             continue
         try:
             values = dequantize(t.data, t.tensor_type)
@@ -250,6 +326,12 @@ def gguf_tensors(reader, path: Path, config: dict[str, Any]) -> dict[str, torch.
             ) from e
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         w = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        if experts:  # [E, out, in]: one tensor per expert
+            for e in range(shape[0]):
+                tensors[expert_tensor_name(experts, e)] = w[e].clone()
+            continue
+        if name.endswith(".shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp may store the shared expert's gate as a vector
         if permuted and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in name:

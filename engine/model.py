@@ -1,5 +1,5 @@
 """The Llama family of decoders: dense (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a layer's MLP is dense or an
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a layer's MLP is dense or an
 `engine.moe.MoEBlock`, as the checkpoint's config says.
 
 The model is a pure function of (tokens, positions, batch metadata, KV cache):
@@ -11,7 +11,8 @@ Tensor parallelism is applied from outside: the weights come already cut by
 `engine.parallel.sharding` for one rank (`shard` says which heads, MLP columns
 and vocabulary rows), and the collectives are injected (`comm`: an all-reduce
 after o_proj, after down_proj and after the vocab-parallel embedding, and a
-gather of the vocab-parallel logits). At TP=1 both are no-ops.
+gather of the vocab-parallel logits; OLMoE's full-width q/k norm all-reduces its [T, 2]
+sums of squares). At TP=1 both are no-ops.
 Pipeline parallelism too: `shard.layers` names the contiguous global layers this
 rank builds (the embedding only on the first stage, the final norm and LM head
 only on the last), and ``forward`` of a later stage takes the previous stage's
@@ -42,7 +43,7 @@ from engine.moe import MoEBlock
 from engine.parallel.comm import SINGLE, Collectives
 from engine.parallel.moe import make_combine
 from engine.parallel.sharding import ShardLayout
-from engine.quant import QuantRows, QuantWeight, quantize_int8
+from engine.quant import QuantRows, QuantWeight, fuse_rows, quantize_int8
 
 LayerHook = Callable[[int], None]
 
@@ -99,9 +100,6 @@ class LlamaModel:
                  use_kernels: bool = True, kernel_isa: str = "auto", shard: ShardLayout | None = None,
                  comm: Collectives | None = None, quantization: str = "none", moe_dispatch: str = "allreduce"):
         self.cfg = cfg
-        if quantization != "none" and cfg.is_moe:
-            raise ConfigError(f"quantization: {quantization!r} is not supported for a mixture-of-experts model "
-                              f"({cfg.architecture}) yet: its experts are not quantized; use 'none'")
         self.quantization = quantization
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
@@ -130,7 +128,7 @@ class LlamaModel:
             L = Layer()
             L.in_norm = w.take(p + "input_layernorm.weight", (H,))
             L.post_norm = w.take(p + "post_attention_layernorm.weight", (H,))
-            L.qkv_w = _cat([
+            L.qkv_w = fuse_rows([
                 w.take(p + "self_attn.q_proj.weight", (self.q_size, H)),
                 w.take(p + "self_attn.k_proj.weight", (self.kv_size, H)),
                 w.take(p + "self_attn.v_proj.weight", (self.kv_size, H)),
@@ -146,14 +144,15 @@ class LlamaModel:
                 self.moe[i] = MoEBlock(cfg, i, shard.experts, shard.moe_intermediate_size,
                                        shard.shared_intermediate_size, w.take)
             else:
-                L.gate_up_w = _cat([
+                L.gate_up_w = fuse_rows([
                     w.take(p + "mlp.gate_proj.weight", (I, H)),
                     w.take(p + "mlp.up_proj.weight", (I, H)),
                 ], p + "mlp.gate|up_proj")
                 L.down_w = w.take(p + "mlp.down_proj.weight", (H, I))
-            if cfg.qk_norm:
-                L.q_norm = w.take(p + "self_attn.q_norm.weight", (cfg.head_dim,))
-                L.k_norm = w.take(p + "self_attn.k_norm.weight", (cfg.head_dim,))
+            if cfg.qk_norm:  # per head, or (OLMoE) over this rank's heads' width
+                q_w, k_w = (self.q_size, self.kv_size) if cfg.qk_norm_full_width else (cfg.head_dim, cfg.head_dim)
+                L.q_norm = w.take(p + "self_attn.q_norm.weight", (q_w,))
+                L.k_norm = w.take(p + "self_attn.k_norm.weight", (k_w,))
             else:
                 L.q_norm = L.k_norm = None
             self.layers.append(L)
@@ -186,7 +185,8 @@ class LlamaModel:
                 self._quantize_matmul_weights()
                 if self.device.type == "cpu":
                     self._to_huge_pages()
-            self.fused = None if self.shard.is_sharded or self.shard.pp_size > 1 else self.ops.fused_decoder(self)
+            self.fused = (None if self.shard.is_sharded or self.shard.pp_size > 1 or self.cfg.is_moe
+                          else self.ops.fused_decoder(self))
             return
         ops = make_ops(self.dtype, self.device, isa=kernel_isa)
         packed = isinstance(self.layers[0].qkv_w, PackedWeight)
@@ -229,14 +229,18 @@ class LlamaModel:
             self.embed = None
 
     def _quantize_matmul_weights(self) -> None:
-        """The matmul weights, the LM head and the embeddings as QuantWeight: taken as
-        stored where the checkpoint holds them quantized (gguf), else quantized to int8."""
+        """The matmul weights (the experts' too), the LM head and the embeddings as QuantWeight:
+        taken as stored where the checkpoint holds them quantized (gguf), else quantized to int8."""
         def quant(w):
             return QuantWeight.pack(w if isinstance(w, QuantRows) else quantize_int8(w))
 
         for L in self.layers:
             for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-                setattr(L, name, quant(getattr(L, name)))
+                if getattr(L, name) is not None:  # (None: a sparse layer's MLP)
+                    setattr(L, name, quant(getattr(L, name)))
+        for m in self.moe:  # the experts' matmuls; the routers and the shared expert's gate stay fp32
+            if m is not None:
+                m.map_weights(quant, routers=False)
         tied = self.lm_head is self.embed
         self.lm_head = quant(self.lm_head)
         self.embed = None if tied else quant(self.embed)
@@ -303,9 +307,13 @@ class LlamaModel:
             qkv = linear(h, L.qkv_w)
             if L.qkv_b is not None:
                 qkv = qkv + L.qkv_b
+            if cfg.qk_norm_full_width:
+                qkv = self._full_width_qk_norm(qkv, L, eps)
+            if cfg.clip_qkv is not None:
+                qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             qkv = qkv.view(T, nh + 2 * nkv, hd)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv:]
-            if L.q_norm is not None:
+            if L.q_norm is not None and not cfg.qk_norm_full_width:
                 qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), L.q_norm, eps),
                                 F.rms_norm(qk[:, nh:], (hd,), L.k_norm, eps)], dim=1)
             qk = rope(qk)  # q and k rotated in one pass
@@ -328,6 +336,19 @@ class LlamaModel:
             x, h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h
 
+    def _full_width_qk_norm(self, qkv: torch.Tensor, L: Layer, eps: float) -> torch.Tensor:
+        # qkv: [T, q_size + 2 kv_size] -> the same, q and k RMS-normed over the model's full q / k width
+        # (OLMoE). Sharded, each rank holds some heads: the sums of squares of every rank's heads
+        # are all-reduced, [T, 2] per layer. A KV head replicated on r ranks is summed r times,
+        # and its width counted r times too: the mean is the same.
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        qf, kf = q.float(), k.float()
+        sums = self.comm.all_reduce(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=1))  # [T, 2]
+        size = self.shard.size
+        q = L.q_norm * (qf * torch.rsqrt(sums[:, :1] / (self.q_size * size) + eps)).to(q.dtype)
+        k = L.k_norm * (kf * torch.rsqrt(sums[:, 1:] / (self.kv_size * size) + eps)).to(k.dtype)
+        return torch.cat([q, k, v], dim=1)
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, vocab] float32
         """The logits of `hidden`'s rows; sharded, only on the rank that samples (None on the others)."""
@@ -336,15 +357,6 @@ class LlamaModel:
             return logits
         full = self.comm.gather_vocab(logits)  # [N, size * vocab_shard] on the sampling rank
         return None if full is None else full[:, : self.shard.vocab_size]
-
-
-def _cat(parts: list, what: str):
-    """Matmul weights fused by rows (q|k|v, gate|up): tensors, or QuantRows of one format."""
-    if any(isinstance(p, QuantRows) for p in parts):
-        if not all(isinstance(p, QuantRows) for p in parts):
-            raise ConfigError(f"checkpoint: {what}: some parts are quantized and some are not")
-        return QuantRows.cat(parts, what)
-    return torch.cat(parts).contiguous()
 
 
 class _WeightTaker:

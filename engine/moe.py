@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP layers (Mixtral, Qwen2-MoE, Qwen3-MoE): routing, grouped expert
+"""Mixture-of-experts MLP layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): routing, grouped expert
 compute, combine; and the checkpoint layouts their experts come in.
 
 A sparse layer's MLP is a `MoEBlock`. Routing is the reference's: softmax of
@@ -25,6 +25,10 @@ maps a file's tensor names onto those: Mixtral's original layout
 (``block_sparse_moe.experts.{j}.w1/w3/w2``, router ``block_sparse_moe.gate``)
 and the packed one transformers 5 writes with ``save_original_format=False``
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+A GGUF file's stacked experts (``blk.N.ffn_{gate,up,down}_exps``) are split onto the same
+names by engine.gguf_convert (dequantized) or engine.quant.read_gguf_rows (quantization
+"gguf": each expert's blocks kept, then computed on by the quantized kernels like a dense
+MLP's; the router stays fp32).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import ModelConfig
+from engine.quant import fuse_rows
 
 # Mixtral's original names for an expert's matmuls -> the per-expert names the model takes
 _MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -124,29 +129,34 @@ class MoEBlock:
         self.experts = experts
         p = f"model.layers.{layer}.mlp."
         self.router_w = take(p + "gate.weight", (cfg.num_experts, H))
-        self.gate_up_w = [torch.cat([take(expert_name(layer, e, "gate_proj"), (I, H)),
-                                     take(expert_name(layer, e, "up_proj"), (I, H))]).contiguous() for e in experts]
+        self.gate_up_w = [fuse_rows([take(expert_name(layer, e, "gate_proj"), (I, H)),
+                                     take(expert_name(layer, e, "up_proj"), (I, H))], f"{p}experts.{e}.gate|up_proj")
+                          for e in experts]
         self.down_w = [take(expert_name(layer, e, "down_proj"), (H, I)) for e in experts]
         if cfg.shared_expert_intermediate_size:
-            self.shared_gate_up_w = torch.cat([take(p + "shared_expert.gate_proj.weight", (S, H)),
-                                               take(p + "shared_expert.up_proj.weight", (S, H))]).contiguous()
+            self.shared_gate_up_w = fuse_rows([take(p + "shared_expert.gate_proj.weight", (S, H)),
+                                               take(p + "shared_expert.up_proj.weight", (S, H))],
+                                              p + "shared_expert.gate|up_proj")
             self.shared_down_w = take(p + "shared_expert.down_proj.weight", (H, S))
             self.shared_gate_w = take(p + "shared_expert_gate.weight", (1, H))
         else:
             self.shared_gate_up_w = self.shared_down_w = self.shared_gate_w = None
 
-    def matmul_weights(self) -> list[tuple[object, str, int | None]]:
-        """(holder, attribute, index in its list or None) of every matmul weight, for packing."""
-        slots = [(self, "router_w", None)]
+    def matmul_weights(self, routers: bool = True) -> list[tuple[object, str, int | None]]:
+        """(holder, attribute, index in its list or None) of every matmul weight, for packing;
+        without the router and the shared expert's gate where `routers` is false."""
+        slots = [(self, "router_w", None)] if routers else []
         slots += [(self, "gate_up_w", j) for j in range(len(self.experts))]
         slots += [(self, "down_w", j) for j in range(len(self.experts))]
         if self.shared_gate_up_w is not None:
-            slots += [(self, "shared_gate_up_w", None), (self, "shared_down_w", None), (self, "shared_gate_w", None)]
+            slots += [(self, "shared_gate_up_w", None), (self, "shared_down_w", None)]
+            slots += [(self, "shared_gate_w", None)] if routers else []
         return slots
 
-    def map_weights(self, fn) -> None:
-        """Replace every matmul weight w by fn(w) (packing them for the native kernels)."""
-        for obj, name, j in self.matmul_weights():
+    def map_weights(self, fn, routers: bool = True) -> None:
+        """Replace every matmul weight w by fn(w) (packing them for the native kernels, quantizing
+        them: then `routers` false keeps the routing matmuls as they are)."""
+        for obj, name, j in self.matmul_weights(routers):
             if j is None:
                 setattr(obj, name, fn(getattr(obj, name)))
             else:

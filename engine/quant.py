@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import ConfigError
+
 QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
 # GGUF block type -> (bytes per block of 32, code bits)
@@ -76,6 +78,15 @@ class QuantRows:
         return QuantRows(first.fmt, first.bits, torch.cat([p.codes for p in parts]),
                          torch.cat([p.scales for p in parts]),
                          None if first.mins is None else torch.cat([p.mins for p in parts]))
+
+
+def fuse_rows(parts: list, what: str):
+    """Matmul weights fused by rows (q|k|v, gate|up): tensors, or QuantRows of one format."""
+    if any(isinstance(p, QuantRows) for p in parts):
+        if not all(isinstance(p, QuantRows) for p in parts):
+            raise ConfigError(f"checkpoint: {what}: some parts are quantized and some are not")
+        return QuantRows.cat(parts, what)
+    return torch.cat(parts).contiguous()
 
 
 def quantize_int8(w: torch.Tensor) -> QuantRows:
@@ -181,10 +192,14 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
 def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows]]:
     """The config.json dict and the tensors of GGUF file `path` under their HF names:
     matmul weights and embeddings (2-D) as QuantRows in their own format, the rest
-    (norms, biases) float32. The q/k rows are un-permuted as the fp32 conversion does."""
+    (norms, biases, a mixture of experts' routers) float32. The q/k rows are un-permuted
+    as the fp32 conversion does; stacked experts [E, ...] become one QuantRows per expert
+    (each expert's rows are contiguous blocks of the file)."""
     import gguf
+    from gguf.quants import dequantize
 
-    from engine.gguf_convert import PERMUTED_QK_ARCHITECTURES, gguf_config, hf_tensor_name, unpermute_qk
+    from engine.gguf_convert import (EXPERTS_RE, FP32_MATRICES, PERMUTED_QK_ARCHITECTURES, check_expert_tensors,
+                                     expert_tensor_name, gguf_config, hf_tensor_name, unpermute_qk)
     from engine.weights import CheckpointError
 
     try:
@@ -192,23 +207,33 @@ def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
     config = gguf_config(reader, path)
+    check_expert_tensors(reader, path, config)
     permuted = config["model_type"] in PERMUTED_QK_ARCHITECTURES
     heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
     out: dict[str, torch.Tensor | QuantRows] = {}
+
+    def rows(data, type_name: str, shape, what: str) -> QuantRows:
+        try:
+            return gguf_rows(data, type_name, shape, what)
+        except QuantError as e:
+            raise CheckpointError(str(e)) from e
+
     for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        experts = EXPERTS_RE.fullmatch(t.name)
+        if experts:
+            for e in range(shape[0]):
+                out[expert_tensor_name(experts, e)] = rows(t.data[e], t.tensor_type.name, shape[1:],
+                                                           f"{path}: tensor {t.name!r}")
+            continue
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape))
-        if len(shape) == 1:
-            from gguf.quants import dequantize
-
-            out[name] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+        if len(shape) == 1 or name.rsplit(".", 2)[-2] in FP32_MATRICES:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+            out[name] = w.reshape(1, -1) if name.endswith(".shared_expert_gate.weight") else w
             continue
-        try:
-            w = gguf_rows(t.data, t.tensor_type.name, shape, f"{path}: tensor {t.name!r}")
-        except QuantError as e:
-            raise CheckpointError(str(e)) from e
+        w = rows(t.data, t.tensor_type.name, shape, f"{path}: tensor {t.name!r}")
         for part, num_heads in heads.items():
             if permuted and part in name:
                 w = w.map_rows(lambda x, h=num_heads: unpermute_qk(x, h).contiguous())

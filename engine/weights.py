@@ -155,8 +155,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv_out,),
                 p + "self_attn.v_proj.bias": (kv_out,),
             })
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if cfg.qk_norm:  # per head (Qwen3), or over every head's width (OLMoE)
+            q_w, k_w = (q_out, kv_out) if cfg.qk_norm_full_width else (hd, hd)
+            shapes.update({p + "self_attn.q_norm.weight": (q_w,), p + "self_attn.k_norm.weight": (k_w,)})
     if cfg.is_moe:  # a sparse layer's MLP is its router and experts (engine/moe.py), not the dense one
         from engine.moe import layer_shapes
 

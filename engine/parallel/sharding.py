@@ -7,7 +7,7 @@ attention heads, its KV heads, its MLP columns and its vocabulary range.
     q|k|v, gate|up          column-parallel: rows of the [out, in] weight (and bias) split
     o_proj, down_proj       row-parallel: columns split; the model all-reduces the output
     embed_tokens, lm_head   vocab-parallel: rows split (padded to tp * ceil(vocab / tp))
-    norms, q/k norm         replicated
+    norms, q/k norm         replicated; OLMoE's full-width q/k norms cut like q and k
     MoE router              replicated (every rank routes every token)
     MoE experts             without expert parallelism: each expert's gate|up column- and
                             down row-parallel, like the dense MLP; with it (`expert_parallel`):
@@ -224,7 +224,10 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
             plan.update({p + "self_attn.q_proj.bias": WeightShard(0, *q),
                          p + "self_attn.k_proj.bias": WeightShard(0, *kv),
                          p + "self_attn.v_proj.bias": WeightShard(0, *kv)})
-        if cfg.qk_norm:
+        if cfg.qk_norm_full_width:  # (OLMoE) cut like the q and k projections' rows
+            plan.update({p + "self_attn.q_norm.weight": WeightShard(0, *q),
+                         p + "self_attn.k_norm.weight": WeightShard(0, *kv)})
+        elif cfg.qk_norm:
             plan.update({p + "self_attn.q_norm.weight": whole, p + "self_attn.k_norm.weight": whole})
     for i in cfg.moe_layers:
         if i not in layers:

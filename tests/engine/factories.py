@@ -9,13 +9,15 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-# 4 experts, top-2; Qwen2-MoE's shared expert of its own size; Qwen3-MoE's second layer dense
+# 4 experts, top-2; Qwen2-MoE's shared expert of its own size; Qwen3-MoE's second layer dense;
+# OLMoE's experts of intermediate_size, its q/k norms over the full width
 MOE_TINY = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[1]),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
 }
 
 
@@ -25,7 +27,7 @@ def tiny_hf_config(kind: str, **overrides):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig}[kind]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig}[kind]
     kw = {**TINY, **MOE_TINY.get(kind, {}), **overrides}
     if kind in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", 16)  # != hidden / heads, so head_dim must come from config

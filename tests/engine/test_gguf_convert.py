@@ -51,20 +51,9 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None = None,
-                    tie: bool = False, arch: str | None = None) -> dict[str, torch.Tensor]:
-    """Save a tiny random `kind` model as GGUF, the way llama.cpp would; return its state dict.
-
-    qtypes maps a substring of HF tensor names to the type to store them in (default F32).
-    """
-    from transformers import AutoModelForCausalLM
-
+def add_tiny_metadata(writer, cfg) -> None:
+    """The metadata llama.cpp writes for HF config `cfg` (rope base 5000), and the tiny vocabulary."""
     tokens, types = tiny_vocab()
-    torch.manual_seed(0)
-    cfg = tiny_hf_config(kind, vocab_size=len(tokens), tie_word_embeddings=tie, rope_theta=5000.0)
-    state = AutoModelForCausalLM.from_config(cfg).state_dict()
-
-    writer = gguf.GGUFWriter(path, arch or kind)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -83,6 +72,22 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None = None,
+                    tie: bool = False, arch: str | None = None) -> dict[str, torch.Tensor]:
+    """Save a tiny random `kind` model as GGUF, the way llama.cpp would; return its state dict.
+
+    qtypes maps a substring of HF tensor names to the type to store them in (default F32).
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_hf_config(kind, vocab_size=len(tiny_vocab()[0]), tie_word_embeddings=tie, rope_theta=5000.0)
+    state = AutoModelForCausalLM.from_config(cfg).state_dict()
+
+    writer = gguf.GGUFWriter(path, arch or kind)
+    add_tiny_metadata(writer, cfg)
 
     for name, value in state.items():
         if tie and name == "lm_head.weight":

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy fp32 output equals transformers'
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): greedy fp32 output equals transformers'
 token for token, at TP=1, TP=2 and TP=2 with expert parallelism; both checkpoint layouts load
 to the same model; routing corner cases (idle experts, every token on the same experts);
 batch invariance; per-expert load; bad input named."""
@@ -17,7 +17,7 @@ from engine.weights import CheckpointError, load_checkpoint
 from tests.conftest import require_isa
 from tests.engine.factories import hf_greedy_mismatch, random_prompts, save_tiny_model
 
-KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PACKED = {"save_original_format": False}  # transformers 5's own layout: experts.gate_up_proj [E, 2I, H]
 
@@ -63,7 +63,9 @@ def test_config_reads_each_architecture(moe_dir):
     # qwen3_moe's mlp_only_layers=[1] keeps layer 1 dense; Qwen2-MoE has q/k/v biases and a shared expert
     assert cfg.moe_layers == ((0,) if cfg.architecture == "qwen3_moe" else (0, 1))
     assert cfg.attention_bias == (cfg.architecture == "qwen2_moe")
-    assert cfg.qk_norm == (cfg.architecture == "qwen3_moe")
+    assert cfg.qk_norm == (cfg.architecture in ("qwen3_moe", "olmoe"))
+    assert cfg.qk_norm_full_width == (cfg.architecture == "olmoe")
+    assert cfg.norm_topk_prob == (cfg.architecture in ("mixtral", "qwen3_moe"))
     assert (cfg.shared_expert_intermediate_size > 0) == (cfg.architecture == "qwen2_moe")
 
 
@@ -172,6 +174,18 @@ def test_uneven_round_robin_experts(tmp_path, prompts):
                       expert_placement="round_robin")
     assert out == ref
     assert_matches_transformers(tmp_path, prompts, out, "uneven round-robin EP=2")
+
+
+@pytest.mark.parametrize("overrides", [dict(clip_qkv=0.5), dict(num_key_value_heads=1)],
+                         ids=["clip_qkv", "kv_head_replicated"])
+def test_olmoe_variants_at_tp1_and_tp2(tmp_path, prompts, overrides):
+    """OLMoE's clip_qkv (q, k, v clamped after the full-width norms), and its full-width k norm
+    at TP=2 over one KV head that both ranks hold (its sum of squares all-reduced twice)."""
+    save_tiny_model(tmp_path, "olmoe", **overrides)
+    ref, _ = generate(tmp_path, prompts)
+    out, _ = generate(tmp_path, prompts, tensor_parallel_size=2)
+    assert out == ref, f"OLMoE {overrides}: TP=2 diverged from TP=1"
+    assert_matches_transformers(tmp_path, prompts, out, f"OLMoE {overrides}")
 
 
 @pytest.mark.parametrize("numerics", ["float32", "bfloat16-avx512bf16", "bfloat16-avx2"])

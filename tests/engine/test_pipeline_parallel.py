@@ -35,6 +35,7 @@ CASES = {
     "qwen3-qk-norm-pp3": ("qwen3", {"num_hidden_layers": 3}, 3, None, 1, {}),
     "qwen3_moe-pp2": ("qwen3_moe", {}, 2, None, 1, {}),  # layer 0 sparse on stage 0, layer 1 dense on stage 1
     "mixtral-pp2": ("mixtral", {}, 2, None, 1, {}),
+    "olmoe-pp2-tp2": ("olmoe", {}, 2, None, 2, {}),  # the full-width q/k norm's all-reduce inside each stage
     "llama-pp2-tp2": ("llama", {"num_hidden_layers": 4}, 2, [1, 3], 2, {}),
 }
 
