@@ -37,7 +37,7 @@ from engine.parallel.comm import SINGLE, CollectiveError, dist_collectives
 from engine.parallel.devices import cuda_device_count, rank_device
 from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.kv_shm import create_kv_segment, kv_segment_path, map_kv_cache, unlink_kv_segment
-from engine.parallel.pipe import StageChannel
+from engine.parallel.pipe import DistLinks, StageChannel
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
@@ -186,12 +186,17 @@ class TPGroup:
                                  oversubscribed=is_oversubscribed(world), group=range(self.tp_size))
             self._await(Attached, config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
+            links = None
             if init is not None:
-                state.dist = dist_collectives(backend, 0, world, init, config.tp_timeout_s, self.device)
+                state.dist = dist_collectives(backend, 0, world, init, config.tp_timeout_s, self.device,
+                                              tp=self.tp_size)
+                if config.pipeline_parallel_size > 1:  # (every rank makes them now, in one order)
+                    links = DistLinks(state.dist, self.layout, self.device)
             # the model's collectives: over its stage's ranks (none with one rank a stage)
-            self.comm = state.dist or (state.shm if self.tp_size > 1 else SINGLE)
-            # rank 0's end of the stages' hand-offs (engine.parallel.pipe)
-            self.pipe = StageChannel(state.shm, 0) if config.pipeline_parallel_size > 1 else None
+            self.comm = (state.dist or state.shm) if self.tp_size > 1 else SINGLE
+            # rank 0's end of the stages' hand-offs (engine.parallel.pipe): payloads over gloo or NCCL
+            # with those backends, through the segment with shm
+            self.pipe = StageChannel(state.shm, 0, links) if config.pipeline_parallel_size > 1 else None
             import torch
 
             state.num_threads = torch.get_num_threads()
