@@ -58,8 +58,10 @@ def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLa
     rows = max(config.max_num_seqs, 1)
     # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
     ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
-    pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4,
-                ret_bytes=rows * model_config.vocab_size * 4,
+    # the hand-offs' slots; none where their payloads go over gloo or NCCL (engine.parallel.pipe.DistLinks)
+    in_segment = config.tp_comm_backend == "shm"
+    pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4 * in_segment,
+                ret_bytes=rows * model_config.vocab_size * 4 * in_segment,
                 counts_bytes=8 * len(model_config.moe_layers) * model_config.num_experts) if pp > 1 else {}
     return SegmentLayout.make(
         pp * tp,

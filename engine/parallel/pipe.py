@@ -31,8 +31,10 @@ decodes the step message (T tokens, n sampled rows).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -78,7 +80,7 @@ class DistLinks:
 
     def __init__(self, dist, layout: SegmentLayout, device: str):
         self._dist, self.backend = dist._dist, dist.backend
-        self.rank, self.device = dist.world_rank, device
+        self.rank, self.device, self.timeout_s = dist.world_rank, device, dist.timeout_s
         self.is_cuda = device.startswith("cuda")
         self._groups = {}
         pairs = pipe_pairs(layout)
@@ -87,11 +89,14 @@ class DistLinks:
             if self.rank in pair:
                 self._groups[pair] = group
         self._sends: dict[int, deque] = {}  # receiver -> (batch, work, tensor) not yet known received
-        for src, dst in pairs:
+        for src, dst in pairs:  # the warm-up, each message waited for before the next
             if self.rank == src:
-                self._dist.send(torch.zeros(1, device=device), dst, group=self._groups[src, dst])
+                work = self._dist.isend(torch.zeros(1, device=device), dst, group=self._groups[src, dst])
             elif self.rank == dst:
-                self._dist.recv(torch.empty(1, device=device), src, group=self._groups[src, dst])
+                work = self._dist.irecv(torch.empty(1, device=device), src, group=self._groups[src, dst])
+            else:
+                continue
+            self._finish(work, f"pipeline link {src} -> {dst} at start ({self.backend})")
         if self.is_cuda:
             torch.cuda.synchronize(device)
 
@@ -106,25 +111,35 @@ class DistLinks:
         sends = self._sends.get(dst)
         while sends and sends[0][0] <= k:
             _, work, _ = sends.popleft()
-            self._finish(work, None, f"send to rank {dst}")
+            self._finish(work, f"pipeline send to rank {dst} ({self.backend})")
 
-    def recv(self, k: int, src: int, shape: tuple[int, ...], dtype: torch.dtype, shm: ShmGroup,
-             what: str) -> torch.Tensor:
-        """Batch k's tensor from ``src`` (its send is posted: the flag is up), on this rank's device."""
+    def recv(self, k: int, src: int, shape: tuple[int, ...], dtype: torch.dtype, shm: ShmGroup, what: str,
+             since: float) -> torch.Tensor:
+        """Batch k's tensor from ``src`` (its send is posted: the flag is up), on this rank's device;
+        the wait for it began at ``since`` (time.monotonic) and ends, with the transfer, within tp_timeout_s."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
         work = self._dist.irecv(out, src, group=self._groups[src, self.rank], tag=k & 0x3FFFFFFF)
-        self._finish(work, shm, what)
+        self._finish(work, f"{what} ({self.backend})", shm, since)
         return out
 
-    def _finish(self, work, shm: ShmGroup | None, what: str) -> None:
+    def _finish(self, work, what: str, shm: ShmGroup | None = None, since: float | None = None) -> None:
+        t0 = time.monotonic()
+        budget = max(self.timeout_s - (t0 - (since or t0)), 1e-3)
         try:
-            if self.is_cuda and shm is not None:  # (a gloo work reports completion only from wait())
-                shm.wait_until(work.is_completed, what)
-            work.wait()  # NCCL: orders this rank's stream after the transfer
+            if not self.is_cuda:  # (a gloo work reports completion only from wait(), which waits unbounded)
+                work.wait(timeout=timedelta(seconds=budget))
+                return
+            if shm is not None:
+                shm.wait_until(work.is_completed, what, budget)
+            work.wait()  # orders this rank's stream after the transfer
         except RuntimeError as e:
             if isinstance(e, CollectiveError):
                 raise
-            raise CollectiveError(f"tensor-parallel {what} ({self.backend}) failed on rank {self.rank}: {e}") from e
+            waited = time.monotonic() - (since or t0)
+            if time.monotonic() - t0 >= budget:
+                raise CollectiveError(f"tensor-parallel {what}: rank {self.rank} waited {waited:.1f} s "
+                                      f"(timeout {self.timeout_s:g} s) for a peer") from e
+            raise CollectiveError(f"tensor-parallel {what} failed on rank {self.rank}: {e}") from e
 
 
 class StageChannel:
@@ -165,10 +180,10 @@ class StageChannel:
     def recv_hidden(self, k: int, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Batch k's residual stream from the previous stage: [num_tokens, hidden_size]."""
         lay, b, slot = self.layout, self.stage - 1, k % self.layout.pipe_slots
-        what = f"pipeline hand-off from stage {b} (rank {b * lay.tp})"
+        what, since = f"pipeline hand-off from stage {b} (rank {b * lay.tp})", time.monotonic()
         self.shm.wait_flag(lay.act_seq(b), k, what)
         if self.links is not None:
-            x = self.links.recv(k, b * lay.tp, (num_tokens, hidden_size), dtype, self.shm, what)
+            x = self.links.recv(k, b * lay.tp, (num_tokens, hidden_size), dtype, self.shm, what, since)
         else:
             x = self.shm.region(lay.act_offset(b, slot), dtype, num_tokens * hidden_size).clone()
         self.shm.set_flag(lay.act_ack(b, self.tp_rank), k)
@@ -188,6 +203,8 @@ class StageChannel:
 
     def mark_done(self, k: int) -> None:
         """This stage computed batch k's layers (its KV is written)."""
+        if self.links is not None and self.links.is_cuda:  # written on the GPU, not only queued: rank 0's
+            torch.cuda.current_stream().synchronize()      # layer hook reads this KV from another process
         self.shm.set_flag(self.layout.stage_done(self.stage), k)
 
     def send_logits(self, k: int, logits: torch.Tensor | None) -> None:
@@ -211,16 +228,20 @@ class StageChannel:
         ``on_stage_done``, it is called with each later stage (1, 2, ...) as that stage finishes
         batch k's layers, before the logits come."""
         lay, slot = self.layout, k % self.layout.pipe_slots
-        if on_stage_done is not None:
+        # (with links also without a hook: a stuck sender can hold its receiver in the transfer past this
+        # rank's own wait, so this rank names the first stage that has not finished the batch)
+        if on_stage_done is not None or self.links is not None:
             for s in range(1, lay.pp):
                 self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s} (rank {s * lay.tp})")
-                on_stage_done(s)
-        what = f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})"
+                if on_stage_done is not None:
+                    on_stage_done(s)
+        what, since = f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})", time.monotonic()
         self.shm.wait_flag(lay.ret_seq, k, what)
         if self.links is None:
             out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()
         elif num_rows:
-            out = self.links.recv(k, (lay.pp - 1) * lay.tp, (num_rows, vocab_size), torch.float32, self.shm, what)
+            out = self.links.recv(k, (lay.pp - 1) * lay.tp, (num_rows, vocab_size), torch.float32, self.shm, what,
+                                  since)
         else:  # (none sampled: nothing was sent)
             out = torch.empty((0, vocab_size), dtype=torch.float32, device=self.links.device)
         self.shm.set_flag(lay.ret_ack, k)

@@ -3,6 +3,7 @@ long prompt, and decode throughput with micro-batching, PP=2 against PP=1 on the
 
     python -m engine.parallel.pp_bench            # print the section
     python -m engine.parallel.pp_bench --write    # also replace `## Pipeline parallelism` in BENCHMARKS.md
+    python -m engine.parallel.pp_bench --backend gloo   # PP=2's hand-offs over gloo point-to-point
 
 SmolLM2-135M-Instruct (dtype auto). PP=1 runs on 2 threads, PP=2 on 1 thread per rank;
 the runs alternate (PP=1, PP=2, PP=1, ...) in one process so that load from other work
@@ -31,21 +32,21 @@ import torch
 SECTION = "## Pipeline parallelism"
 
 
-def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool):
+def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool, backend: str = "shm"):
     from engine.llm import LLM
 
     return LLM(None, pipeline_parallel_size=pp, max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks,
-               enable_prefix_caching=prefix_caching, max_num_seqs=16)
+               enable_prefix_caching=prefix_caching, max_num_seqs=16, tp_backend=backend)
 
 
-def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
+def prefill(pp: int, prompt_len: int, chunk: int, backend: str = "shm") -> dict:
     from engine.sampling import SamplingParams
     from engine.sequence import Sequence
 
     vocab = 49152
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-    with _llm(pp, chunk, prompt_len // 16 + 8, False) as llm:
+    with _llm(pp, chunk, prompt_len // 16 + 8, False, backend) as llm:
         core = llm.core
         core.add(Sequence("warm", prompt[:chunk], SamplingParams(max_tokens=1)))
         while core.has_unfinished():
@@ -62,12 +63,12 @@ def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
         return out
 
 
-def decode(pp: int, streams: int, prompt_len: int, new_tokens: int) -> dict:
+def decode(pp: int, streams: int, prompt_len: int, new_tokens: int, backend: str = "shm") -> dict:
     from engine.sampling import SamplingParams
     from engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(1)
-    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True) as llm:
+    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True, backend) as llm:
         core = llm.core
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         seqs = [Sequence(f"s{i}", torch.randint(10, 49152, (prompt_len,), generator=g).tolist(), params)
@@ -89,8 +90,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--backend", choices=("shm", "gloo"), default="shm",
+                    help="PP=2's hand-offs: the shared segment, or gloo point-to-point (engine.parallel.pipe)")
     ap.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     args = ap.parse_args(argv)
+    if args.write and args.backend != "shm":
+        ap.error(f"--write replaces the '{SECTION}' section, measured with shm; print the {args.backend} figures")
     # key: PP=1 on 2 threads (1), PP=2 (2), and as a control PP=1 on 1 thread (0)
     runs: dict[int, list] = {1: [], 2: [], 0: []}
     threads = torch.get_num_threads()
@@ -98,8 +103,9 @@ def main(argv=None) -> None:
         for key in (1, 2, 0):
             torch.set_num_threads(1 if key == 0 else threads)
             pp = max(key, 1)
-            p = prefill(pp, args.prompt_len, args.chunk)
-            d = decode(pp, 16, 32, 64)
+            backend = args.backend if pp > 1 else "shm"
+            p = prefill(pp, args.prompt_len, args.chunk, backend)
+            d = decode(pp, 16, 32, 64, backend)
             runs[key].append({**p, **d})
             print(f"round {r} run {key}: TTFT {p['ttft_s']:.2f} s, decode {d['tok_s']:.1f} tok/s", file=sys.stderr)
     torch.set_num_threads(threads)
@@ -115,6 +121,7 @@ def main(argv=None) -> None:
     lines = [
         SECTION, "",
         f"SmolLM2-135M-Instruct, {one['dtype']}, PP=1 on 2 threads against PP=2 on 1 thread per rank "
+        f"(hand-offs: tp_backend {args.backend}) "
         f"(median of {args.rounds} interleaved rounds; every round's figures below the table):", "",
         "| figure | PP=1 | PP=2 | PP=2 / PP=1 |", "|---|---:|---:|---:|",
         f"| TTFT, one {args.prompt_len}-token prompt in {n} chunks of {args.chunk} (s) | {med[1]['ttft_s']:.2f} | "
@@ -132,7 +139,8 @@ def main(argv=None) -> None:
         "", "Every round, TTFT s / decode tok/s (PP=1 2 threads | PP=2 | PP=1 1 thread): " + "; ".join(
             f"{a['ttft_s']:.2f} / {a['tok_s']:.1f} | {b['ttft_s']:.2f} / {b['tok_s']:.1f} | "
             f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0])), "",
-        "- Command: `python -m engine.parallel.pp_bench --write`",
+        "- Command: `" + " ".join(["python -m engine.parallel.pp_bench", *(argv if argv is not None else sys.argv[1:])])
+        + "`",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- Machine: `nproc` {os.cpu_count()}, {cpu}, ISA `{isa}`, torch {torch.__version__}, "
         f"Python {platform.python_version()}, load average {load:.1f} when it finished",

@@ -250,9 +250,11 @@ class ShmGroup:
         ``slot`` reaches ``target``: the hand-offs of engine.parallel.pipe."""
         self._wait(slot, target, what)
 
-    def wait_until(self, done: Callable[[], bool], what: str) -> None:
-        """Wait, bounded as `wait_flag`, until ``done()``: a CUDA transfer's completion (engine.parallel.pipe)."""
+    def wait_until(self, done: Callable[[], bool], what: str, timeout_s: float | None = None) -> None:
+        """Wait, bounded as `wait_flag` (or by ``timeout_s``), until ``done()``: a CUDA transfer's
+        completion (engine.parallel.pipe)."""
         t0 = time.monotonic()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         polls = 0
         while not done():
             polls += 1
@@ -263,7 +265,7 @@ class ShmGroup:
                 if not self._peers_alive():
                     raise CollectiveError(f"tensor-parallel {what}: a peer process of rank {self.seg_rank} is gone")
                 waited = time.monotonic() - t0
-                if waited > self.timeout_s:
+                if waited > timeout_s:
                     raise CollectiveError(f"tensor-parallel {what}: rank {self.seg_rank} waited {waited:.1f} s "
                                           f"(timeout {self.timeout_s:g} s) for a peer")
 
