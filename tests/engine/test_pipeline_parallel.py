@@ -41,6 +41,7 @@ CASES = {
     "llama-pp2-gloo": ("llama", {"num_hidden_layers": 4}, 2, None, 1, {"tp_backend": "gloo"}),
     "llama-pp3-split-1-3-1-gloo": ("llama", {"num_hidden_layers": 5}, 3, [1, 3, 1], 1, {"tp_backend": "gloo"}),
     "qwen2-pp2-tp2-split-3-1-gloo": ("qwen2", {"num_hidden_layers": 4}, 2, [3, 1], 2, {"tp_backend": "gloo"}),
+    "qwen3_moe-pp2-gloo": ("qwen3_moe", {}, 2, None, 1, {"tp_backend": "gloo"}),
 }
 
 
