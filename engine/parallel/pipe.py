@@ -25,8 +25,9 @@ replica's process group, and stay on the device; the flags above stay in the seg
 are, so the control plane (step messages, DONE for the layer hook, liveness, abort) and every
 bound are the shm path's. A sender posts its send before it raises the flag, so a receiver
 posts its receive only once the data is on its way: the one wait that is not a flag's (the
-receive's own) is short, and bounded besides (gloo: the process group's timeout, tp_timeout_s;
-NCCL: polled under the same bounds as a flag). The row counts need no message: every rank
+receive's own) is short, and bounded besides: by what is left of tp_timeout_s since the wait
+for the flag began (gloo: the wait's own timeout, since it has none by default; NCCL: polled
+under the flag's bounds, abort and liveness too). The row counts need no message: every rank
 decodes the step message (T tokens, n sampled rows).
 """
 from __future__ import annotations
