@@ -267,7 +267,7 @@ class ShmGroup:
                 waited = time.monotonic() - t0
                 if waited > timeout_s:
                     raise CollectiveError(f"tensor-parallel {what}: rank {self.seg_rank} waited {waited:.1f} s "
-                                          f"(timeout {self.timeout_s:g} s) for a peer")
+                                          f"(timeout {timeout_s:g} s) for a peer")
 
     def flag(self, slot: int) -> int:
         return self._flags[slot]
