@@ -121,6 +121,23 @@ def test_each_rank_holds_only_its_layers(tmp_path):
         assert len(out.token_ids) == 16
 
 
+def test_over_gloo_the_hand_offs_go_rank_to_rank_not_through_the_segment(tmp_path):
+    """tp_backend gloo: the segment holds no hand-off slots (the payloads cannot pass through it,
+    and it is that much smaller), and what rank 0 sent stage 1 is the residual stream, fp32."""
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    prompts = random_prompts(3, 96, [5, 23], seed=8)
+    ref = generate(tmp_path, prompts)
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, pipeline_parallel_size=2,
+             tp_backend="gloo") as llm:
+        group = llm.core.tp_group
+        assert group.layout.act_bytes == group.layout.ret_bytes == 0
+        assert group.pipe.links is not None and group.pipe.links.backend == "gloo"
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        stats = group.pipe.stats
+        assert stats.tokens_sent == sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+        assert stats.bytes_sent == stats.tokens_sent * llm.core.model_config.hidden_size * 4
+
+
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch, backend):
     """16 concurrent requests at PP=2: two batches of 8 are in the pipeline at once, no sequence
