@@ -163,6 +163,10 @@ class StageSpec(_Strict):
         if tp > 1 and self.tp_backend in ("shm", "gloo") and gpus > 0:
             raise ValueError(f"tp_backend: {self.tp_backend} sums host memory and the replica is on GPUs "
                              f"(resources.num_gpus {gpus:g}): use nccl (or auto)")
+        if self.pipeline_parallel_size > 1 and self.tp_backend in ("shm", "gloo") and gpus > 0:
+            raise ValueError(f"tp_backend: {self.tp_backend} hands the stages' activations on through host memory "
+                             f"and the replica is on GPUs (resources.num_gpus {gpus:g}): use nccl (or auto) at "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size}")
         return self
 
     @property

@@ -294,10 +294,6 @@ class EngineConfig:
             if len(split) != pp:
                 raise ConfigError(f"pipeline_layer_split: {len(split)} counts for pipeline_parallel_size {pp}; "
                                   "give one per pipeline stage")
-        if pp > 1 and (self.device != "cpu" or self.tp_backend not in ("auto", "shm")):
-            # (activations and logits cross the stages through the shared segment: engine.parallel.pipe)
-            raise ConfigError(f"pipeline_parallel_size: {pp} runs on device cpu with tp_backend shm (or auto) "
-                              f"only, for now; got device {self.device!r}, tp_backend {self.tp_backend!r}")
         if pp > 1 and self.quantization != "none":
             raise ConfigError(f"quantization: {self.quantization!r} is not supported with pipeline_parallel_size "
                               f"{pp} yet; use 'none'")
@@ -317,6 +313,14 @@ class EngineConfig:
         if tp > 1 and self.tp_backend in ("shm", "gloo") and is_cuda:
             raise ConfigError(f"tp_backend: {self.tp_backend} sums host memory and the device is "
                               f"{self.device!r}: use nccl (or auto)")
+        if pp > 1 and is_cuda and self.tp_backend in ("shm", "gloo"):
+            # (the hand-offs go rank to rank over NCCL on CUDA, engine.parallel.pipe.DistLinks)
+            raise ConfigError(f"tp_backend: {self.tp_backend} hands the stages' activations on through host "
+                              f"memory and the device is {self.device!r}: use nccl (or auto) at "
+                              f"pipeline_parallel_size {pp}")
+        if pp > 1 and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device: give 'cpu' or 'cuda' at pipeline_parallel_size {pp} (on CUDA each rank "
+                              f"takes its own GPU, engine.parallel.devices), got {self.device!r}")
         if tp > 1 and is_cuda and self.device != "cuda":
             raise ConfigError(f"device: give 'cuda' at tensor_parallel_size {tp} (each rank takes its own "
                               f"GPU, engine.parallel.devices), got {self.device!r}")

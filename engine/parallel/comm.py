@@ -68,27 +68,41 @@ SINGLE: Collectives = _Single()
 
 class _DistCollectives:
     """torch.distributed collectives over one process group; a subclass names the backend and
-    how a tensor is summed (`_sum`)."""
+    how a tensor is summed (`_sum`).
+
+    ``size`` ranks in all; with pipeline parallelism (``tp`` < ``size``) they form stages of
+    ``tp`` consecutive ranks and a model's collectives run within its stage's group (every rank
+    makes every stage's group, in stage order, as torch.distributed requires): ``self.rank`` and
+    ``self.size`` are then the place in the stage and its size, as a model sees them, and
+    ``world_rank`` the rank in the whole replica (engine.parallel.pipe's links use it)."""
 
     backend = ""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, **init_kwargs):
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, tp: int | None = None,
+                 **init_kwargs):
         import torch.distributed as dist
 
-        self.rank, self.size, self._dist = rank, size, dist
+        tp = tp or size
+        self.world_rank, self.world_size, self._dist = rank, size, dist
+        self.rank, self.size = rank % tp, tp
+        self.timeout_s = timeout_s
         self.stats = CollectiveStats()
         dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s), **init_kwargs)
+        self.group = None  # None: the whole world (at tp 1 with stages, a model's comm is SINGLE instead)
+        if 1 < tp < size:
+            stages = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(size // tp)]
+            self.group = stages[rank // tp]
 
     def _sum(self, x: torch.Tensor) -> None:
-        self._dist.all_reduce(x)
+        self._dist.all_reduce(x, group=self.group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             self._sum(x)
         except RuntimeError as e:
-            raise CollectiveError(f"tensor-parallel all-reduce ({self.backend}) failed on rank {self.rank}: "
+            raise CollectiveError(f"tensor-parallel all-reduce ({self.backend}) failed on rank {self.world_rank}: "
                                   f"{e}") from e
         self.stats.add(x.numel() * x.element_size(), time.perf_counter() - t0)
         return x
@@ -98,9 +112,9 @@ class _DistCollectives:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         try:
-            self._dist.gather(x, parts, dst=0)
+            self._dist.gather(x, parts, group=self.group, group_dst=0)
         except RuntimeError as e:
-            raise CollectiveError(f"tensor-parallel gather ({self.backend}) failed on rank {self.rank}: "
+            raise CollectiveError(f"tensor-parallel gather ({self.backend}) failed on rank {self.world_rank}: "
                                   f"{e}") from e
         self.stats.gather_s += time.perf_counter() - t0
         return torch.cat(parts, dim=1) if parts is not None else None
@@ -119,10 +133,10 @@ class GlooCollectives(_DistCollectives):
 
     def _sum(self, x: torch.Tensor) -> None:
         if x.dtype == torch.float32:
-            self._dist.all_reduce(x)
+            self._dist.all_reduce(x, group=self.group)
         else:
             acc = x.float()
-            self._dist.all_reduce(acc)
+            self._dist.all_reduce(acc, group=self.group)
             x.copy_(acc)
 
 
@@ -134,16 +148,18 @@ class NcclCollectives(_DistCollectives):
 
     backend = "nccl"
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: str):
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: str,
+                 tp: int | None = None):
         torch.cuda.set_device(device)
-        super().__init__(rank, size, init_method, timeout_s, device_id=torch.device(device))
+        super().__init__(rank, size, init_method, timeout_s, tp, device_id=torch.device(device))
 
 
 def dist_collectives(backend: str, rank: int, size: int, init_method: str, timeout_s: float,
-                     device: str) -> _DistCollectives:
-    """The torch.distributed collectives of ``backend`` ("gloo" or "nccl") for this rank."""
+                     device: str, tp: int | None = None) -> _DistCollectives:
+    """The torch.distributed collectives of ``backend`` ("gloo" or "nccl") for this rank of
+    ``size``, within its stage of ``tp`` ranks (default: all of them)."""
     if backend == "nccl":
-        return NcclCollectives(rank, size, init_method, timeout_s, device)
+        return NcclCollectives(rank, size, init_method, timeout_s, device, tp)
     if backend == "gloo":
-        return GlooCollectives(rank, size, init_method, timeout_s)
+        return GlooCollectives(rank, size, init_method, timeout_s, tp)
     raise ValueError(f"no torch.distributed collectives for tp_backend {backend!r}")

@@ -37,7 +37,7 @@ from engine.parallel.comm import SINGLE, CollectiveError, dist_collectives
 from engine.parallel.devices import cuda_device_count, rank_device
 from engine.parallel.launch import RankLauncher, SpawnLauncher
 from engine.parallel.kv_shm import create_kv_segment, kv_segment_path, map_kv_cache, unlink_kv_segment
-from engine.parallel.pipe import StageChannel
+from engine.parallel.pipe import DistLinks, StageChannel
 from engine.parallel.sharding import ShardLayout
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
 from engine.parallel.step import stop_message
@@ -58,8 +58,10 @@ def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLa
     rows = max(config.max_num_seqs, 1)
     # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
     ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
-    pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4,
-                ret_bytes=rows * model_config.vocab_size * 4,
+    # the hand-offs' slots; none where their payloads go over gloo or NCCL (engine.parallel.pipe.DistLinks)
+    in_segment = config.tp_comm_backend == "shm"
+    pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4 * in_segment,
+                ret_bytes=rows * model_config.vocab_size * 4 * in_segment,
                 counts_bytes=8 * len(model_config.moe_layers) * model_config.num_experts) if pp > 1 else {}
     return SegmentLayout.make(
         pp * tp,
@@ -186,12 +188,17 @@ class TPGroup:
                                  oversubscribed=is_oversubscribed(world), group=range(self.tp_size))
             self._await(Attached, config.tp_timeout_s + 60.0)
             state.unlink()  # every rank maps it: the file is not needed any more
+            links = None
             if init is not None:
-                state.dist = dist_collectives(backend, 0, world, init, config.tp_timeout_s, self.device)
+                state.dist = dist_collectives(backend, 0, world, init, config.tp_timeout_s, self.device,
+                                              tp=self.tp_size)
+                if config.pipeline_parallel_size > 1:  # (every rank makes them now, in one order)
+                    links = DistLinks(state.dist, self.layout, self.device)
             # the model's collectives: over its stage's ranks (none with one rank a stage)
-            self.comm = state.dist or (state.shm if self.tp_size > 1 else SINGLE)
-            # rank 0's end of the stages' hand-offs (engine.parallel.pipe)
-            self.pipe = StageChannel(state.shm, 0) if config.pipeline_parallel_size > 1 else None
+            self.comm = (state.dist or state.shm) if self.tp_size > 1 else SINGLE
+            # rank 0's end of the stages' hand-offs (engine.parallel.pipe): payloads over gloo or NCCL
+            # with those backends, through the segment with shm
+            self.pipe = StageChannel(state.shm, 0, links) if config.pipeline_parallel_size > 1 else None
             import torch
 
             state.num_threads = torch.get_num_threads()

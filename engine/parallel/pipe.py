@@ -18,14 +18,29 @@ and counts them: batch k is the k-th step message, the same k on every rank. Per
 
 Every wait is `ShmGroup.wait_flag`: bounded by tp_timeout_s, the group's abort flag and the
 peers' liveness, so a dead or stuck stage fails the others' step instead of hanging them.
+
+With tp_backend gloo (CPU) or nccl (CUDA) only the payloads move (`DistLinks`): the hidden
+states and the logits rows go rank to rank over torch.distributed point-to-point, on the
+replica's process group, and stay on the device; the flags above stay in the segment as they
+are, so the control plane (step messages, DONE for the layer hook, liveness, abort) and every
+bound are the shm path's. A sender posts its send before it raises the flag, so a receiver
+posts its receive only once the data is on its way: the one wait that is not a flag's (the
+receive's own) is short, and bounded besides: by what is left of tp_timeout_s since the wait
+for the flag began (gloo: the wait's own timeout, since it has none by default; NCCL: polled
+under the flag's bounds, abort and liveness too). The row counts need no message: every rank
+decodes the step message (T tokens, n sampled rows).
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
-from engine.parallel.shm import ShmGroup
+from engine.parallel.comm import CollectiveError
+from engine.parallel.shm import SegmentLayout, ShmGroup
 
 
 @dataclass
@@ -37,12 +52,105 @@ class PipeStats:
     tokens_sent: int = 0
 
 
-class StageChannel:
-    """One rank's end of the hand-offs: ``rank`` its segment rank."""
+def pipe_pairs(layout: SegmentLayout) -> list[tuple[int, int]]:
+    """Every (sender, receiver) of the hand-offs, in one order: stage s's leader to each rank of
+    stage s + 1, boundary by boundary, then the last stage's leader to rank 0."""
+    tp, pp = layout.tp, layout.pp
+    return [(b * tp, (b + 1) * tp + t) for b in range(pp - 1) for t in range(tp)] + [((pp - 1) * tp, 0)]
 
-    def __init__(self, shm: ShmGroup, rank: int):
+
+class DistLinks:
+    """The hand-offs' payloads over torch.distributed point-to-point (tp_backend gloo or nccl).
+
+    Each (sender, receiver) pair of `pipe_pairs` is a link: a two-rank group of its own, used in
+    one direction only, so each pair is one ordered stream (NCCL matches a pair's operations by
+    order, gloo by tag: the tag is the batch number). A group each keeps the directions apart:
+    on one NCCL stream rank 0's send of batch k + 1 to stage 1 would queue ahead of its receive
+    of batch k's logits, which the last stage sends before it takes batch k + 1: a cycle. Every
+    rank makes every group, in the same order, and each link carries one warm-up message at
+    start (in that order, so no two ranks wait on each other): NCCL builds a pair's communicator
+    at its first operation, which must not be a step's. ``dist`` is this rank's
+    engine.parallel.comm collectives (made with ``tp``, before this); received tensors are
+    allocated on ``device``.
+
+    Why stage s's leader sends to every rank of stage s + 1, not to its leader alone for a
+    broadcast inside the stage: one hop, no collective on the receiving side (each rank's
+    receive is its own, bounded like a flag wait), and every rank of the stage gets the same
+    bits, as from the shared slot. It costs the leader tp sends of [T, hidden], small beside a
+    stage's all-reduces (engine.parallel.pp_bench)."""
+
+    def __init__(self, dist, layout: SegmentLayout, device: str):
+        self._dist, self.backend = dist._dist, dist.backend
+        self.rank, self.device, self.timeout_s = dist.world_rank, device, dist.timeout_s
+        self.is_cuda = device.startswith("cuda")
+        self._groups = {}
+        pairs = pipe_pairs(layout)
+        for pair in pairs:  # (a collective over the world: every rank, every group, this order)
+            group = self._dist.new_group(list(pair))
+            if self.rank in pair:
+                self._groups[pair] = group
+        self._sends: dict[int, deque] = {}  # receiver -> (batch, work, tensor) not yet known received
+        for src, dst in pairs:  # the warm-up, each message waited for before the next
+            if self.rank == src:
+                work = self._dist.isend(torch.zeros(1, device=device), dst, group=self._groups[src, dst])
+            elif self.rank == dst:
+                work = self._dist.irecv(torch.empty(1, device=device), src, group=self._groups[src, dst])
+            else:
+                continue
+            self._finish(work, f"pipeline link {src} -> {dst} at start ({self.backend})")
+        if self.is_cuda:
+            torch.cuda.synchronize(device)
+
+    def send(self, k: int, dst: int, x: torch.Tensor) -> None:
+        """Post batch k's ``x`` to ``dst`` (contiguous; held until `reap` says it was received)."""
+        x = x.contiguous()
+        work = self._dist.isend(x, dst, group=self._groups[self.rank, dst], tag=k & 0x3FFFFFFF)
+        self._sends.setdefault(dst, deque()).append((k, work, x))
+
+    def reap(self, dst: int, k: int) -> None:
+        """``dst`` received every batch up to k (its acknowledgement flag says so): finish those sends."""
+        sends = self._sends.get(dst)
+        while sends and sends[0][0] <= k:
+            _, work, _ = sends.popleft()
+            self._finish(work, f"pipeline send to rank {dst} ({self.backend})")
+
+    def recv(self, k: int, src: int, shape: tuple[int, ...], dtype: torch.dtype, shm: ShmGroup, what: str,
+             since: float) -> torch.Tensor:
+        """Batch k's tensor from ``src`` (its send is posted: the flag is up), on this rank's device;
+        the wait for it began at ``since`` (time.monotonic) and ends, with the transfer, within tp_timeout_s."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        work = self._dist.irecv(out, src, group=self._groups[src, self.rank], tag=k & 0x3FFFFFFF)
+        self._finish(work, f"{what} ({self.backend})", shm, since)
+        return out
+
+    def _finish(self, work, what: str, shm: ShmGroup | None = None, since: float | None = None) -> None:
+        t0 = time.monotonic()
+        budget = max(self.timeout_s - (t0 - (since or t0)), 1e-3)
+        try:
+            if not self.is_cuda:  # (a gloo work reports completion only from wait(), which waits unbounded)
+                work.wait(timeout=timedelta(seconds=budget))
+                return
+            if shm is not None:
+                shm.wait_until(work.is_completed, what, budget)
+            work.wait()  # orders this rank's stream after the transfer
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            waited = time.monotonic() - (since or t0)
+            if time.monotonic() - t0 >= budget:
+                raise CollectiveError(f"tensor-parallel {what}: rank {self.rank} waited {waited:.1f} s "
+                                      f"(timeout {self.timeout_s:g} s) for a peer") from e
+            raise CollectiveError(f"tensor-parallel {what} failed on rank {self.rank}: {e}") from e
+
+
+class StageChannel:
+    """One rank's end of the hand-offs: ``rank`` its segment rank; ``links`` the payloads'
+    torch.distributed links (tp_backend gloo or nccl), None: they go through the segment."""
+
+    def __init__(self, shm: ShmGroup, rank: int, links: DistLinks | None = None):
         self.shm, lay = shm, shm.layout
         self.layout = lay
+        self.links = links
         self.stage, self.tp_rank = divmod(rank, lay.tp)
         self.is_leader = self.tp_rank == 0
         self.is_first, self.is_last = self.stage == 0, self.stage == lay.pp - 1
@@ -55,20 +163,30 @@ class StageChannel:
             for t in range(lay.tp):
                 self.shm.wait_flag(lay.act_ack(b, t), k - lay.pipe_slots,
                                    f"pipeline hand-off to stage {b + 1} (rank {(b + 1) * lay.tp + t})")
+                if self.links is not None:
+                    self.links.reap((b + 1) * lay.tp + t, k - lay.pipe_slots)
         nbytes = x.numel() * x.element_size()
-        if nbytes > lay.act_bytes:
-            raise RuntimeError(f"pipeline hand-off of {nbytes} bytes exceeds the slot's {lay.act_bytes}")
-        self.shm.region(lay.act_offset(b, slot), x.dtype, x.numel()).copy_(x.reshape(-1))
+        if self.links is not None:
+            for t in range(lay.tp):
+                self.links.send(k, (b + 1) * lay.tp + t, x)
+        else:
+            if nbytes > lay.act_bytes:
+                raise RuntimeError(f"pipeline hand-off of {nbytes} bytes exceeds the slot's {lay.act_bytes}")
+            self.shm.region(lay.act_offset(b, slot), x.dtype, x.numel()).copy_(x.reshape(-1))
         self.shm.set_flag(lay.act_seq(b), k)
         self.stats.num_sends += 1
-        self.stats.bytes_sent += nbytes
+        self.stats.bytes_sent += nbytes * (lay.tp if self.links is not None else 1)  # (a copy to each reader)
         self.stats.tokens_sent += x.shape[0]
 
     def recv_hidden(self, k: int, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Batch k's residual stream from the previous stage: [num_tokens, hidden_size]."""
         lay, b, slot = self.layout, self.stage - 1, k % self.layout.pipe_slots
-        self.shm.wait_flag(lay.act_seq(b), k, f"pipeline hand-off from stage {b} (rank {b * lay.tp})")
-        x = self.shm.region(lay.act_offset(b, slot), dtype, num_tokens * hidden_size).clone()
+        what, since = f"pipeline hand-off from stage {b} (rank {b * lay.tp})", time.monotonic()
+        self.shm.wait_flag(lay.act_seq(b), k, what)
+        if self.links is not None:
+            x = self.links.recv(k, b * lay.tp, (num_tokens, hidden_size), dtype, self.shm, what, since)
+        else:
+            x = self.shm.region(lay.act_offset(b, slot), dtype, num_tokens * hidden_size).clone()
         self.shm.set_flag(lay.act_ack(b, self.tp_rank), k)
         return x.view(num_tokens, hidden_size)
 
@@ -86,6 +204,8 @@ class StageChannel:
 
     def mark_done(self, k: int) -> None:
         """This stage computed batch k's layers (its KV is written)."""
+        if self.links is not None and self.links.is_cuda:  # written on the GPU, not only queued: rank 0's
+            torch.cuda.current_stream().synchronize()      # layer hook reads this KV from another process
         self.shm.set_flag(self.layout.stage_done(self.stage), k)
 
     def send_logits(self, k: int, logits: torch.Tensor | None) -> None:
@@ -93,7 +213,11 @@ class StageChannel:
         lay, slot = self.layout, k % self.layout.pipe_slots
         if k > lay.pipe_slots:
             self.shm.wait_flag(lay.ret_ack, k - lay.pipe_slots, "pipeline logits return (to rank 0)")
-        if logits is not None:
+            if self.links is not None:
+                self.links.reap(0, k - lay.pipe_slots)
+        if logits is not None and self.links is not None:
+            self.links.send(k, 0, logits.float())
+        elif logits is not None:
             nbytes = logits.numel() * 4
             if nbytes > lay.ret_bytes:
                 raise RuntimeError(f"pipeline logits of {nbytes} bytes exceed the return slot's {lay.ret_bytes}")
@@ -105,11 +229,21 @@ class StageChannel:
         ``on_stage_done``, it is called with each later stage (1, 2, ...) as that stage finishes
         batch k's layers, before the logits come."""
         lay, slot = self.layout, k % self.layout.pipe_slots
-        if on_stage_done is not None:
+        # (with links also without a hook: a stuck sender can hold its receiver in the transfer past this
+        # rank's own wait, so this rank names the first stage that has not finished the batch)
+        if on_stage_done is not None or self.links is not None:
             for s in range(1, lay.pp):
                 self.shm.wait_flag(lay.stage_done(s), k, f"pipeline stage {s} (rank {s * lay.tp})")
-                on_stage_done(s)
-        self.shm.wait_flag(lay.ret_seq, k, f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})")
-        out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()
+                if on_stage_done is not None:
+                    on_stage_done(s)
+        what, since = f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})", time.monotonic()
+        self.shm.wait_flag(lay.ret_seq, k, what)
+        if self.links is None:
+            out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()
+        elif num_rows:
+            out = self.links.recv(k, (lay.pp - 1) * lay.tp, (num_rows, vocab_size), torch.float32, self.shm, what,
+                                  since)
+        else:  # (none sampled: nothing was sent)
+            out = torch.empty((0, vocab_size), dtype=torch.float32, device=self.links.device)
         self.shm.set_flag(lay.ret_ack, k)
         return out.view(num_rows, vocab_size)

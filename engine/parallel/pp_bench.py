@@ -3,6 +3,7 @@ long prompt, and decode throughput with micro-batching, PP=2 against PP=1 on the
 
     python -m engine.parallel.pp_bench            # print the section
     python -m engine.parallel.pp_bench --write    # also replace `## Pipeline parallelism` in BENCHMARKS.md
+    python -m engine.parallel.pp_bench --backend gloo   # PP=2's hand-offs over gloo point-to-point
 
 SmolLM2-135M-Instruct (dtype auto). PP=1 runs on 2 threads, PP=2 on 1 thread per rank;
 the runs alternate (PP=1, PP=2, PP=1, ...) in one process so that load from other work
@@ -31,21 +32,21 @@ import torch
 SECTION = "## Pipeline parallelism"
 
 
-def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool, split=None):
+def _llm(pp: int, chunk: int, num_kv_blocks: int, prefix_caching: bool, backend: str = "shm", split=None):
     from engine.llm import LLM
 
     return LLM(None, pipeline_parallel_size=pp, max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks,
-               enable_prefix_caching=prefix_caching, max_num_seqs=16, pipeline_layer_split=split)
+               enable_prefix_caching=prefix_caching, max_num_seqs=16, tp_backend=backend, pipeline_layer_split=split)
 
 
-def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
+def prefill(pp: int, prompt_len: int, chunk: int, backend: str = "shm") -> dict:
     from engine.sampling import SamplingParams
     from engine.sequence import Sequence
 
     vocab = 49152
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-    with _llm(pp, chunk, prompt_len // 16 + 8, False) as llm:
+    with _llm(pp, chunk, prompt_len // 16 + 8, False, backend) as llm:
         core = llm.core
         core.add(Sequence("warm", prompt[:chunk], SamplingParams(max_tokens=1)))
         while core.has_unfinished():
@@ -62,12 +63,12 @@ def prefill(pp: int, prompt_len: int, chunk: int) -> dict:
         return out
 
 
-def decode(pp: int, streams: int, prompt_len: int, new_tokens: int, split=None) -> dict:
+def decode(pp: int, streams: int, prompt_len: int, new_tokens: int, backend: str = "shm", split=None) -> dict:
     from engine.sampling import SamplingParams
     from engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(1)
-    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True, split) as llm:
+    with _llm(pp, 2048, streams * ((prompt_len + new_tokens) // 16 + 2), True, backend, split) as llm:
         core = llm.core
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         seqs = [Sequence(f"s{i}", torch.randint(10, 49152, (prompt_len,), generator=g).tolist(), params)
@@ -92,8 +93,12 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-split", type=lambda v: [int(n) for n in v.split(",")], default=None,
                     help="also decode at PP=2 with this pipeline_layer_split (e.g. 17,13: fewer layers on the "
                          "last stage, which also runs the LM head)")
+    ap.add_argument("--backend", choices=("shm", "gloo"), default="shm",
+                    help="PP=2's hand-offs: the shared segment, or gloo point-to-point (engine.parallel.pipe)")
     ap.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     args = ap.parse_args(argv)
+    if args.write and args.backend != "shm":
+        ap.error(f"--write replaces the '{SECTION}' section, measured with shm; print the {args.backend} figures")
     # key: PP=1 on 2 threads (1), PP=2 (2), and as a control PP=1 on 1 thread (0)
     runs: dict[int, list] = {1: [], 2: [], 0: []}
     split_runs: list[float] = []  # PP=2 decode with --decode-split
@@ -102,12 +107,13 @@ def main(argv=None) -> None:
         for key in (1, 2, 0):
             torch.set_num_threads(1 if key == 0 else threads)
             pp = max(key, 1)
-            p = prefill(pp, args.prompt_len, args.chunk)
-            d = decode(pp, 16, 32, 64)
+            backend = args.backend if pp > 1 else "shm"
+            p = prefill(pp, args.prompt_len, args.chunk, backend)
+            d = decode(pp, 16, 32, 64, backend)
             runs[key].append({**p, **d})
             print(f"round {r} run {key}: TTFT {p['ttft_s']:.2f} s, decode {d['tok_s']:.1f} tok/s", file=sys.stderr)
             if key == 2 and args.decode_split:
-                split_runs.append(decode(2, 16, 32, 64, args.decode_split)["tok_s"])
+                split_runs.append(decode(2, 16, 32, 64, backend, args.decode_split)["tok_s"])
                 print(f"round {r} PP=2 split {args.decode_split}: decode {split_runs[-1]:.1f} tok/s", file=sys.stderr)
     torch.set_num_threads(threads)
     med = {key: {k: statistics.median(x[k] for x in rs) for k in ("ttft_s", "tok_s")} for key, rs in runs.items()}
@@ -122,6 +128,7 @@ def main(argv=None) -> None:
     lines = [
         SECTION, "",
         f"SmolLM2-135M-Instruct, {one['dtype']}, PP=1 on 2 threads against PP=2 on 1 thread per rank "
+        f"(hand-offs: tp_backend {args.backend}) "
         f"(median of {args.rounds} interleaved rounds; every round's figures below the table):", "",
         "| figure | PP=1 | PP=2 | PP=2 / PP=1 |", "|---|---:|---:|---:|",
         f"| TTFT, one {args.prompt_len}-token prompt in {n} chunks of {args.chunk} (s) | {med[1]['ttft_s']:.2f} | "
@@ -145,8 +152,8 @@ def main(argv=None) -> None:
             f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0]))
         + (f"; PP=2 split {args.decode_split} decode tok/s by round: " + ", ".join(f"{x:.1f}" for x in split_runs)
            if split_runs else ""), "",
-        "- Command: `python -m engine.parallel.pp_bench --write"
-        + (f" --decode-split {','.join(map(str, args.decode_split))}`" if args.decode_split else "`"),
+        "- Command: `" + " ".join(["python -m engine.parallel.pp_bench", *(argv if argv is not None else sys.argv[1:])])
+        + "`",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- Machine: `nproc` {os.cpu_count()}, {cpu}, ISA `{isa}`, torch {torch.__version__}, "
         f"Python {platform.python_version()}, load average {load:.1f} when it finished",

@@ -250,6 +250,25 @@ class ShmGroup:
         ``slot`` reaches ``target``: the hand-offs of engine.parallel.pipe."""
         self._wait(slot, target, what)
 
+    def wait_until(self, done: Callable[[], bool], what: str, timeout_s: float | None = None) -> None:
+        """Wait, bounded as `wait_flag` (or by ``timeout_s``), until ``done()``: a CUDA transfer's
+        completion (engine.parallel.pipe)."""
+        t0 = time.monotonic()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        polls = 0
+        while not done():
+            polls += 1
+            if self._flags[self.layout.abort_flag]:
+                raise self._aborted()
+            time.sleep(2e-5)
+            if polls & 63 == 0:
+                if not self._peers_alive():
+                    raise CollectiveError(f"tensor-parallel {what}: a peer process of rank {self.seg_rank} is gone")
+                waited = time.monotonic() - t0
+                if waited > timeout_s:
+                    raise CollectiveError(f"tensor-parallel {what}: rank {self.seg_rank} waited {waited:.1f} s "
+                                          f"(timeout {timeout_s:g} s) for a peer")
+
     def flag(self, slot: int) -> int:
         return self._flags[slot]
 

@@ -3,7 +3,8 @@ replica; engine.parallel.launch) that runs its shard of every step.
 
 Life cycle (rank 0's engine.parallel.group.TPGroup drives it):
 
-1. attach: map the shared segment (and join gloo or NCCL, with those backends; on CUDA
+1. attach: map the shared segment (and join gloo or NCCL, with those backends, and with
+   pipeline parallelism make the stages' links, engine.parallel.pipe.DistLinks; on CUDA
    the rank's GPU is chosen by engine.parallel.devices);
 2. load: read this rank's shard of the checkpoint, build the model on it (on its device);
 3. init: take the KV cache size from rank 0's first message, map this rank's
@@ -166,7 +167,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
     except ValueError:  # not the main thread (a Ray actor's call): Ctrl-C does not reach it anyway
         pass
     parent = os.getppid()
-    shm = comm = kv_path = None
+    shm = dist = kv_path = None
     try:
         from engine.core import pick_dtype
         from engine.kv_cache import KVCacheSpec, allocate_kv_cache, torch_dtype
@@ -197,8 +198,15 @@ def worker_main(spec: WorkerSpec, conn) -> None:
                        peers_alive=peers_alive, oversubscribed=spec.oversubscribed,
                        group=range(stage * tp, (stage + 1) * tp))
         conn.send(Attached())
-        comm = (shm if tp > 1 else SINGLE) if spec.dist_init_method is None else dist_collectives(
-            config.tp_comm_backend, spec.rank, spec.size, spec.dist_init_method, config.tp_timeout_s, device)
+        links = None
+        if spec.dist_init_method is not None:
+            dist = dist_collectives(config.tp_comm_backend, spec.rank, spec.size, spec.dist_init_method,
+                                    config.tp_timeout_s, device, tp=tp)
+            if config.pipeline_parallel_size > 1:  # (every rank makes them now, in one order)
+                from engine.parallel.pipe import DistLinks
+
+                links = DistLinks(dist, spec.layout, device)
+        comm = (dist or shm) if tp > 1 else SINGLE
         cfg = read_config(spec.model_dir)
         layout = ShardLayout.for_engine(cfg, spec.rank, config)
         _, weights = load_shard(spec.model_dir, layout, torch.float32)
@@ -235,7 +243,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         if config.pipeline_parallel_size > 1:
             from engine.parallel.pipe import StageChannel
 
-            pipe = StageChannel(shm, spec.rank)
+            pipe = StageChannel(shm, spec.rank, links)
             pipe.share_expert_counts(model)
         num_batches = 0
         with torch.no_grad():
@@ -268,6 +276,6 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             from engine.parallel.kv_shm import unlink_kv_segment
 
             unlink_kv_segment(kv_path)
-        if comm is not None and comm is not shm and hasattr(comm, "close"):
-            comm.close()
+        if dist is not None:
+            dist.close()
         conn.close()

@@ -36,6 +36,8 @@ def test_tp_reaches_the_engine_and_the_launcher():
     ({"tensor_parallel_size": 2, "tp_backend": "shm", "resources": {"num_gpus": 1}},
      "tp_backend: shm sums host memory and the replica is on GPUs"),
     ({"tensor_parallel_size": 2, "resources": {"num_gpus": 0.5}}, "each rank needs a GPU of its own"),
+    ({"pipeline_parallel_size": 2, "tp_backend": "gloo", "resources": {"num_gpus": 1}},
+     "tp_backend: gloo hands the stages' activations on through host memory and the replica is on GPUs"),
     ({"tp_timeout_s": 0}, "colocated.tp_timeout_s: must be > 0"),
 ])
 def test_tp_fields_refused_with_their_path(stage, problem):
@@ -50,6 +52,15 @@ def test_a_gpu_tp_replica_runs_nccl_on_cuda_with_a_gpu_per_rank():
     e = stage.engine
     assert (e.device, e.tensor_parallel_size, e.tp_comm_backend) == ("cuda", 2, "nccl")
     assert stage.ray_options["num_gpus"] == 1  # per rank: each rank's bundle asks for its own GPU
+
+
+@pytest.mark.parametrize("backend, gpus, want", [("gloo", 0, "gloo"), ("shm", 0, "shm"), ("auto", 1, "nccl")])
+def test_a_pipeline_parallel_replica_runs_on_each_backend_that_fits(backend, gpus, want):
+    cfg = split_spec(Spec.model_validate(colocated(pipeline_parallel_size=2, tp_backend=backend,
+                                                   resources={"num_gpus": gpus})))
+    e = cfg.stages[Stage.COLOCATED].engine
+    assert (e.pipeline_parallel_size, e.tp_comm_backend) == (2, want)
+    e.validate()
 
 
 def test_spread_is_fine_for_a_single_rank():

@@ -61,7 +61,8 @@ def _spec(model, prefill: dict, decode_tp: int, backend: str) -> dict:
     ({"pipeline_parallel_size": 2, "pipeline_layer_split": [1, 3]}, 2, "grpc"),
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 2, "grpc"),
     ({"pipeline_parallel_size": 2}, 1, "nccl"),
-], ids=["pp2-tp1-grpc", "pp2split13-tp2-grpc", "pp2xtp2-tp2-grpc", "pp2-tp1-nccl"])
+    ({"pipeline_parallel_size": 2, "tp_backend": "gloo"}, 1, "grpc"),  # the stages' hand-offs over gloo
+], ids=["pp2-tp1-grpc", "pp2split13-tp2-grpc", "pp2xtp2-tp2-grpc", "pp2-tp1-nccl", "pp2gloo-tp1-grpc"])
 def test_a_pipeline_parallel_prefill_hands_off_token_exact(ray_instance, model, prompts, reference,
                                                            prefill, decode_tp, backend):
     groups_before = len(placement_groups())

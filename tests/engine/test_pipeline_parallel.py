@@ -37,6 +37,12 @@ CASES = {
     "mixtral-pp2": ("mixtral", {}, 2, None, 1, {}),
     "olmoe-pp2-tp2": ("olmoe", {}, 2, None, 2, {}),  # the full-width q/k norm's all-reduce inside each stage
     "llama-pp2-tp2": ("llama", {"num_hidden_layers": 4}, 2, [1, 3], 2, {}),
+    # the hand-offs over gloo point-to-point (engine.parallel.pipe.DistLinks), the stages' all-reduces
+    # within each stage's gloo group
+    "llama-pp2-gloo": ("llama", {"num_hidden_layers": 4}, 2, None, 1, {"tp_backend": "gloo"}),
+    "llama-pp3-split-1-3-1-gloo": ("llama", {"num_hidden_layers": 5}, 3, [1, 3, 1], 1, {"tp_backend": "gloo"}),
+    "qwen2-pp2-tp2-split-3-1-gloo": ("qwen2", {"num_hidden_layers": 4}, 2, [3, 1], 2, {"tp_backend": "gloo"}),
+    "qwen3_moe-pp2-gloo": ("qwen3_moe", {}, 2, None, 1, {"tp_backend": "gloo"}),
 }
 
 
@@ -116,9 +122,28 @@ def test_each_rank_holds_only_its_layers(tmp_path):
         assert len(out.token_ids) == 16
 
 
-def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch):
+def test_over_gloo_the_hand_offs_go_rank_to_rank_not_through_the_segment(tmp_path):
+    """tp_backend gloo: the segment holds no hand-off slots (the payloads cannot pass through it,
+    and it is that much smaller), and what rank 0 sent stage 1 is the residual stream, fp32."""
+    save_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    prompts = random_prompts(3, 96, [5, 23], seed=8)
+    ref = generate(tmp_path, prompts)
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, pipeline_parallel_size=2,
+             tp_backend="gloo") as llm:
+        group = llm.core.tp_group
+        assert group.layout.act_bytes == group.layout.ret_bytes == 0
+        assert group.pipe.links is not None and group.pipe.links.backend == "gloo"
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        stats = group.pipe.stats
+        assert stats.tokens_sent == sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+        assert stats.bytes_sent == stats.tokens_sent * llm.core.model_config.hidden_size * 4
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch, backend):
     """16 concurrent requests at PP=2: two batches of 8 are in the pipeline at once, no sequence
-    in both, and every token is PP=1's."""
+    in both, and every token is PP=1's (gloo: the hand-offs rank to rank, two batches' sends
+    outstanding on a link)."""
     save_tiny_model(tmp_path, "llama", num_hidden_layers=4)
     prompts = random_prompts(16, 96, [3, 9, 17, 30], seed=3)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -138,7 +163,7 @@ def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch):
 
     monkeypatch.setattr(PPRunner, "launch", logged_launch)
     monkeypatch.setattr(PPRunner, "collect", logged_collect)
-    out = generate(tmp_path, prompts, params, num_kv_blocks=128, pipeline_parallel_size=2)
+    out = generate(tmp_path, prompts, params, num_kv_blocks=128, pipeline_parallel_size=2, tp_backend=backend)
     assert out == ref
     in_flight: list[list[str]] = []
     overlapped = 0
@@ -155,7 +180,8 @@ def test_micro_batched_decode_of_16_requests_equals_pp1(tmp_path, monkeypatch):
     assert overlapped > 0.9 * launches  # the next batch starts while the last is on stage 1
 
 
-def test_every_sampling_mode_equals_pp1_and_plain_greedy_returns_tokens_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_every_sampling_mode_equals_pp1_and_plain_greedy_returns_tokens_only(tmp_path, monkeypatch, backend):
     """The last stage takes the argmax itself (and returns 4 bytes a row instead of the logits)
     only for a batch whose every sampler is plain greedy; seeded sampling, logprobs, penalties and
     logit_bias beside greedy rows still get the logits on rank 0: every token and logprob is PP=1's."""
@@ -195,15 +221,17 @@ def test_every_sampling_mode_equals_pp1_and_plain_greedy_returns_tokens_only(tmp
         return collect(self, batch)
 
     monkeypatch.setattr(PPRunner, "collect", logged_collect)
-    assert same(run(pipeline_parallel_size=2), ref)
+    assert same(run(pipeline_parallel_size=2, tp_backend=backend), ref)
     assert True in kinds and False in kinds  # both ways back were taken
     # greedy alone: every batch comes back as tokens
     kinds.clear()
-    assert generate(tmp_path, prompts, greedy, pipeline_parallel_size=2) == generate(tmp_path, prompts, greedy)
+    assert generate(tmp_path, prompts, greedy, pipeline_parallel_size=2, tp_backend=backend) == \
+        generate(tmp_path, prompts, greedy)
     assert kinds and all(kinds)
 
 
-def test_pipelined_long_prompt_equals_unchunked(tmp_path):
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_pipelined_long_prompt_equals_unchunked(tmp_path, backend):
     """One 200-token prompt in chunks of 16 at PP=2: consecutive chunks are in the pipeline
     together (chunk k+1 on stage 0 while chunk k is on stage 1), and the output is that of
     the prompt in one chunk at PP=1."""
@@ -211,7 +239,7 @@ def test_pipelined_long_prompt_equals_unchunked(tmp_path):
     prompt = random_prompts(1, 96, [200], seed=4)[0]
     ref = generate(tmp_path, [prompt], max_num_batched_tokens=256)
     with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
-             pipeline_parallel_size=2) as llm:
+             pipeline_parallel_size=2, tp_backend=backend) as llm:
         core = llm.core
         chunks_in_flight, collect = [], core.runner.collect
 
@@ -250,13 +278,15 @@ def test_layer_hook_gets_global_layer_ids_as_each_stage_finishes(tmp_path):
     assert all(c == [0, 1, 2, 3, 4] for c in calls)
 
 
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, how):
+def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, how, backend):
     """SIGKILL of the middle stage's rank mid-prefill: rank 0 sees it gone and the error names it;
-    SIGSTOP: the wait for its hand-off times out. No process and no segment is left."""
+    SIGSTOP: the wait for its hand-off times out. No process and no segment is left (gloo: no
+    rank is left in a receive or a send to the dead one)."""
     save_tiny_model(tmp_path, "llama", num_hidden_layers=3, max_position_embeddings=512)
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
-              pipeline_parallel_size=3, tp_timeout_s=2.0)
+              pipeline_parallel_size=3, tp_timeout_s=2.0, tp_backend=backend)
     pids = llm.core.tp_group.pids
     llm.core.add(Sequence("long", random_prompts(1, 96, [300], seed=5)[0], GREEDY))
     batches = []
@@ -268,7 +298,9 @@ def test_a_dead_or_stuck_pipeline_rank_fails_the_call_in_bounded_time(tmp_path, 
         return None
 
     t0 = time.monotonic()
-    named = r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"from stage 1 \(rank 1\).*timeout"
+    named = r"rank 1 \(pid \d+\) is gone" if how == "kill" else r"stage 1 \(rank 1\).*timeout"
+    if how == "kill" and backend == "gloo":  # or rank 2 was receiving from it: its connection broke first
+        named += r"|from stage 1 \(rank 1\) \(gloo\) failed on rank 2: .*Connection reset"
     with pytest.raises(CollectiveError, match=named):
         while llm.core.has_unfinished():
             llm.core.step(on_batch)
@@ -294,7 +326,7 @@ def test_close_and_garbage_collection_leave_no_rank_and_no_segment(tmp_path):
      r"pipeline_layer_split: \[1, 2\] sums to 3 layers; the model has 4"),
     (dict(pipeline_parallel_size=5), "pipeline_parallel_size: 5 stages for a model of 4 layers"),
     (dict(pipeline_parallel_size=2, pipeline_layer_split=[4]), "1 counts for pipeline_parallel_size 2"),
-    (dict(pipeline_parallel_size=2, tp_backend="gloo"), "pipeline_parallel_size: 2 runs on device cpu"),
+    (dict(pipeline_parallel_size=2, tp_backend="nccl"), "tp_backend: nccl needs device: cuda"),
 ])
 def test_a_bad_split_is_refused_before_any_rank_starts(tmp_path, kw, message):
     save_tiny_model(tmp_path, "llama", num_hidden_layers=4)

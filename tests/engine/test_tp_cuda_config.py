@@ -32,10 +32,25 @@ def test_auto_is_shm_on_cpu_and_nccl_on_cuda(device, backend, want):
     ({"tp_backend": "shm", "device": "cuda", "tensor_parallel_size": 2}, "tp_backend: shm sums host memory"),
     ({"tp_backend": "gloo", "device": "cuda", "tensor_parallel_size": 2}, "tp_backend: gloo sums host memory"),
     ({"device": "cuda:1", "tensor_parallel_size": 2}, "device: give 'cuda' at tensor_parallel_size 2"),
+    ({"tp_backend": "gloo", "device": "cuda", "pipeline_parallel_size": 2},
+     "tp_backend: gloo hands the stages' activations on through host memory .* use nccl"),
+    ({"tp_backend": "shm", "device": "cuda", "pipeline_parallel_size": 2}, "tp_backend: shm hands the stages'"),
+    ({"tp_backend": "nccl", "pipeline_parallel_size": 2}, "tp_backend: nccl needs device: cuda"),
+    ({"device": "cuda:1", "pipeline_parallel_size": 2}, "device: give 'cpu' or 'cuda' at pipeline_parallel_size 2"),
 ])
 def test_a_backend_that_does_not_fit_the_device_is_refused(fields, problem):
     with pytest.raises(ConfigError, match=problem):
         EngineConfig(**fields).validate()
+
+
+@pytest.mark.parametrize("device, backend, want", [
+    ("cpu", "auto", "shm"), ("cpu", "shm", "shm"), ("cpu", "gloo", "gloo"), ("cuda", "auto", "nccl"),
+    ("cuda", "nccl", "nccl"),
+])
+def test_pipeline_parallelism_runs_on_each_backend_that_fits_the_device(device, backend, want):
+    config = EngineConfig(device=device, tp_backend=backend, pipeline_parallel_size=2, tensor_parallel_size=2)
+    config.validate()
+    assert config.tp_comm_backend == want
 
 
 def test_llm_refuses_nccl_on_cpu_before_starting_a_rank(tmp_path):
