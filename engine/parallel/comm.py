@@ -144,7 +144,7 @@ class _DistCollectives:
         padded[: x.shape[0]] = x
         out = x.new_empty((self.size * most, *x.shape[1:]))
         try:
-            self._dist.all_gather_into_tensor(out, padded)
+            self._dist.all_gather_single(out, padded)
         except RuntimeError as e:
             raise CollectiveError(f"tensor-parallel all-gather ({self.backend}) failed on rank {self.rank}: "
                                   f"{e}") from e
