@@ -2,6 +2,7 @@
 expert matmul against a dense matmul of the same FLOPs.
 
     python -m engine.moe_bench            # print the figures (markdown)
+    python -m engine.moe_bench --decode   # only the decode-step table
 
 A random Mixtral-shaped checkpoint (bf16): hidden 1024, 8 experts of 1024 columns, top-2,
 4 layers, 16 heads of 64 (4 KV heads), vocabulary 8192.
@@ -141,10 +142,21 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     flags = Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; avx512_bf16: {'avx512_bf16' in flags}, "
           f"avx2: {' avx2' in flags}; load average before: {os.getloadavg()[0]:.1f}")
+    if argv not in ([], ["--decode"]):
+        print(f"usage: python -m engine.moe_bench [--decode]; got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    if not argv:
+        grouped_table()
+    decode_table()
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def grouped_table() -> None:
     print("\n| tokens | active experts | grouped (ms) | dense, same FLOPs (ms) | grouped / dense "
           "| weights read, grouped / dense (MB) | grouped GB/s | grouped GFLOP/s | dense GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -154,6 +166,9 @@ def main() -> int:
         print(f"| {t} | {r['active_experts']} | {r['grouped_ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f}x "
               f"| {r['grouped_mb']:.1f} / {r['dense_mb']:.1f} | {r['grouped_gbps']:.1f} | {r['grouped_gflops']:.1f} "
               f"| {r['dense_gflops']:.1f} |", flush=True)
+
+
+def decode_table() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(Path(tmp) / "moe")
         print("\n| batch | layout | step (ms) | expert compute (ms) | dispatch/combine (ms) | rest (ms) | threads/rank |")
@@ -167,9 +182,7 @@ def main() -> int:
                 r = decode_step(model_dir, batch, tp, ep, dispatch)
                 print(f"| {batch} | {name} | {r['step_ms']:.2f} | {r['expert_ms']:.2f} | {r['combine_ms']:.2f} | "
                       f"{r['rest_ms']:.2f} | {r['threads']} |", flush=True)
-    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -164,6 +164,24 @@ def test_rank_shards_equal_across_layouts(tmp_path, kind):
             assert held == ({0, 1} if rank == 0 else {2, 3}) if ep else held == {0, 1, 2, 3}
 
 
+def test_alltoall_keeps_the_shared_expert_whole_on_every_rank(tmp_path):
+    """alltoall runs Qwen2-MoE's shared expert on each rank's slice of the tokens, so each rank
+    holds it whole (allreduce splits its columns like a dense MLP's)."""
+    from engine.parallel.sharding import ShardLayout, load_shard
+    from engine.weights import read_config
+
+    save_tiny_model(tmp_path, "qwen2_moe")
+    cfg = read_config(tmp_path)
+    S, H = cfg.shared_expert_intermediate_size, cfg.hidden_size
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    for dispatch, cols in (("allreduce", S // 2), ("alltoall", S)):
+        for rank in (0, 1):
+            layout = ShardLayout.for_rank(cfg, rank, 2, expert_parallel=True, moe_dispatch=dispatch)
+            _, w = load_shard(tmp_path, layout)
+            assert tuple(w[name].shape) == (H, cols), (dispatch, rank)
+            assert layout.expert_owner == (0, 0, 1, 1)
+
+
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "ep2-alltoall", "ep2-alltoall-gloo"])
 def test_tp2_greedy_equals_tp1_and_transformers(moe_dir, layout, prompts):
     kind = moe_dir.name
