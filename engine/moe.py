@@ -15,9 +15,10 @@ where the matmuls are.
 
 A block holds only the experts its rank was given (`ShardLayout.experts`), each
 possibly cut to a column range (tensor parallelism without expert
-parallelism): its output is this rank's partial sum, and the model's MLP
-all-reduce completes it (engine/parallel/moe.py says why that is the
-dispatch on CPU ranks).
+parallelism). `forward` is the ``allreduce`` dispatch's part: this rank's
+partial sum over every token, which the MLP all-reduce completes; the
+``alltoall`` dispatch instead calls `route`, `expert` and `add_shared` on the
+rows it moved (engine/parallel/moe.py has both).
 
 Checkpoints: the model takes experts by the per-expert names
 (``mlp.experts.{j}.gate_proj.weight`` …, `expert_names`). `checkpoint_sources`
