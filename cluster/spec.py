@@ -120,8 +120,12 @@ class StageSpec(_Strict):
     # replica fails at start, naming it, where the CPU lacks it), or none (torch's own ops)
     kernel_isa: Literal["auto", "avx512bf16", "avx2", "none"] = "auto"
     # a mixture of experts at tensor_parallel_size > 1: split the experts across the ranks
-    # (attention stays tensor-parallel); see engine.config.EngineConfig
+    # (attention stays tensor-parallel), which rank holds which, and how tokens meet their experts
+    # (allreduce, or alltoall: a real dispatch, expert parallelism only; engine/parallel/moe.py says
+    # when each pays off). Per stage: a prefill stage and a decode stage may choose differently.
     enable_expert_parallel: bool = False
+    expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
+    moe_dispatch: Literal["allreduce", "alltoall"] = "allreduce"
 
     @field_validator("placement_strategy")
     @classmethod
@@ -167,6 +171,10 @@ class StageSpec(_Strict):
             raise ValueError(f"tp_backend: {self.tp_backend} hands the stages' activations on through host memory "
                              f"and the replica is on GPUs (resources.num_gpus {gpus:g}): use nccl (or auto) at "
                              f"pipeline_parallel_size {self.pipeline_parallel_size}")
+        if self.moe_dispatch == "alltoall" and (tp == 1 or not self.enable_expert_parallel):
+            raise ValueError("moe_dispatch: 'alltoall' sends each token to the rank holding its experts, so it "
+                             f"needs enable_expert_parallel at tensor_parallel_size > 1 (got tensor_parallel_size "
+                             f"{tp}, enable_expert_parallel {self.enable_expert_parallel}); use 'allreduce'")
         return self
 
     @property
@@ -203,6 +211,8 @@ class StageSpec(_Strict):
             quantization=self.quantization,
             kernel_isa=self.kernel_isa,
             enable_expert_parallel=self.enable_expert_parallel,
+            expert_placement=self.expert_placement,
+            moe_dispatch=self.moe_dispatch,
             seed=seed,
             **kwargs,
         )

@@ -243,7 +243,8 @@ class EngineConfig:
     # across the ranks (attention stays tensor-parallel) instead of splitting every expert's
     # columns; which rank holds which expert ("contiguous" ranges or "round_robin"); and how the
     # tokens meet their experts ("allreduce": every rank runs its experts on all tokens, the
-    # MLP's all-reduce combines; "alltoall": tokens sent to their experts' ranks, NCCL only).
+    # MLP's all-reduce combines; "alltoall": each rank's slice of the tokens sent to their experts'
+    # ranks and back, then all-gathered; expert parallelism only, on every tp_backend).
     enable_expert_parallel: bool = False
     expert_placement: str = "contiguous"
     moe_dispatch: str = "allreduce"
@@ -303,9 +304,10 @@ class EngineConfig:
             raise ConfigError(f"expert_placement: must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ConfigError(f"moe_dispatch: must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
-        if self.moe_dispatch == "alltoall" and self.device.startswith("cpu"):
-            raise ConfigError("moe_dispatch: 'alltoall' needs a backend with an all-to-all (NCCL); CPU ranks "
-                              "(shm, gloo) hold replicated activations after attention, use 'allreduce'")
+        if self.moe_dispatch == "alltoall" and (tp == 1 or not self.enable_expert_parallel):
+            raise ConfigError("moe_dispatch: 'alltoall' sends each token to the rank holding its experts, so it "
+                              "needs enable_expert_parallel at tensor_parallel_size > 1 (got tensor_parallel_size "
+                              f"{tp}, enable_expert_parallel {self.enable_expert_parallel}); use 'allreduce'")
         is_cuda = self.device.startswith("cuda")
         if self.tp_backend == "nccl" and not is_cuda:
             raise ConfigError(f"tp_backend: nccl needs device: cuda (device {self.device!r}; "

@@ -41,7 +41,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.kernels import MAX_FUSED_ROWS, PackedWeight, make_ops
 from engine.moe import MoEBlock
 from engine.parallel.comm import SINGLE, Collectives
-from engine.parallel.moe import make_combine
+from engine.parallel.moe import make_dispatch
 from engine.parallel.sharding import ShardLayout
 from engine.quant import QuantRows, QuantWeight, fuse_rows, quantize_int8
 
@@ -103,8 +103,8 @@ class LlamaModel:
         self.quantization = quantization
         self.shard = shard = shard or ShardLayout.for_rank(cfg, 0, 1)
         self.comm = comm or SINGLE
-        # a sparse layer's partial output -> the whole (engine/parallel/moe.py: "allreduce")
-        self.moe_combine = make_combine(moe_dispatch, self.comm) if cfg.is_moe else None
+        # a sparse layer's MLP across the ranks, by name (engine/parallel/moe.py)
+        self.expert_dispatch = make_dispatch(moe_dispatch, self.comm, shard.expert_owner) if cfg.is_moe else None
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
@@ -326,10 +326,9 @@ class LlamaModel:
             moe = self.moe[i]
             if moe is None:
                 mlp = all_reduce(linear(ops.silu_mul(linear(h, L.gate_up_w)), L.down_w))
-            else:  # this rank's experts (or columns of each), combined by the same one all-reduce
-                partial, counts = moe.forward(h, ops)
+            else:  # this rank's experts (or columns of each): engine/parallel/moe.py
+                mlp, counts = self.expert_dispatch(moe, h, ops)
                 self.expert_counts[cfg.moe_layers.index(i)] += counts
-                mlp = self.moe_combine(partial)
             if j + 1 == len(self.layers) and not self.is_last_stage:
                 return x + mlp  # the residual stream, for the next stage
             next_norm = self.layers[j + 1].in_norm if j + 1 < len(self.layers) else self.norm

@@ -15,9 +15,10 @@ where the matmuls are.
 
 A block holds only the experts its rank was given (`ShardLayout.experts`), each
 possibly cut to a column range (tensor parallelism without expert
-parallelism): its output is this rank's partial sum, and the model's MLP
-all-reduce completes it (engine/parallel/moe.py says why that is the
-dispatch on CPU ranks).
+parallelism). `forward` is the ``allreduce`` dispatch's part: this rank's
+partial sum over every token, which the MLP all-reduce completes; the
+``alltoall`` dispatch instead calls `route`, `expert` and `add_shared` on the
+rows it moved (engine/parallel/moe.py has both).
 
 Checkpoints: the model takes experts by the per-expert names
 (``mlp.experts.{j}.gate_proj.weight`` …, `expert_names`). `checkpoint_sources`
@@ -178,10 +179,22 @@ class MoEBlock:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), ids
 
+    def expert(self, j: int, x: torch.Tensor, ops) -> torch.Tensor:
+        """x: [n, H], rows routed to held expert ``self.experts[j]`` -> its output [n, H], unweighted."""
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_w[j])), self.down_w[j])
+
+    def add_shared(self, out: torch.Tensor, h: torch.Tensor, ops) -> torch.Tensor:
+        """out + the gated shared expert on h (Qwen2-MoE: a dense expert every token takes); [T, H]."""
+        if self.shared_gate_up_w is None:
+            return out
+        linear = ops.linear
+        shared = linear(ops.silu_mul(linear(h, self.shared_gate_up_w)), self.shared_down_w)  # [T, H]
+        return out + torch.sigmoid(linear(h, self.shared_gate_w)) * shared
+
     def forward(self, h: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] -> (this rank's partial MLP output [T, H], tokens routed to each expert [E])."""
-        linear, silu_mul, k = ops.linear, ops.silu_mul, self.top_k
-        weights, ids = self.route(h, linear)
+        k = self.top_k
+        weights, ids = self.route(h, ops.linear)
         flat = ids.flatten()  # [T * k]: pair p is token p // k's slot p % k
         counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
@@ -194,9 +207,6 @@ class MoEBlock:
                 continue
             pairs = order[ends[e] - n[e]: ends[e]]  # [n_e]
             tokens = pairs // k
-            y = linear(silu_mul(linear(h.index_select(0, tokens), self.gate_up_w[j])), self.down_w[j])  # [n_e, H]
+            y = self.expert(j, h.index_select(0, tokens), ops)  # [n_e, H]
             out.index_add_(0, tokens, y * flat_w.index_select(0, pairs).unsqueeze(1))
-        if self.shared_gate_up_w is not None:  # Qwen2-MoE: a dense expert every token takes, gated
-            shared = linear(silu_mul(linear(h, self.shared_gate_up_w)), self.shared_down_w)  # [T, H]
-            out = out + torch.sigmoid(linear(h, self.shared_gate_w)) * shared
-        return out, counts
+        return self.add_shared(out, h, ops), counts

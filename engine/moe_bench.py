@@ -2,14 +2,17 @@
 expert matmul against a dense matmul of the same FLOPs.
 
     python -m engine.moe_bench            # print the figures (markdown)
+    python -m engine.moe_bench --decode   # only the decode-step table
 
 A random Mixtral-shaped checkpoint (bf16): hidden 1024, 8 experts of 1024 columns, top-2,
 4 layers, 16 heads of 64 (4 KV heads), vocabulary 8192.
 
 1. A decode step of batch 1 and 16 (prompts of 32 tokens) through engine.LLM at one rank,
-   TP=2 without expert parallelism and TP=2 with it (EP=2), split on rank 0 into expert
-   compute (MoEBlock.forward: routing, gather, the experts' matmuls, combine by index_add),
-   dispatch/combine (the sparse layers' all-reduce, engine/parallel/moe.py) and the rest.
+   TP=2 without expert parallelism and TP=2 with it (EP=2), under each moe_dispatch, split on
+   rank 0 into expert compute (the sparse MLPs less their collectives: routing, gather, the
+   experts' matmuls, combine by index_add), dispatch/combine (the collectives of the sparse
+   layers, engine/parallel/moe.py: ``allreduce``'s all-reduce; ``alltoall``'s count exchange,
+   two all-to-alls and the all-gather) and the rest.
 2. The grouped expert compute (MoEBlock.forward, bf16 native kernels) for M tokens against
    one dense MLP matmul pair on M x top_k rows: the same FLOPs, but the dense one reads one
    expert's weights where the grouped one reads every expert a token picked.
@@ -60,29 +63,8 @@ def make_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def _timed_blocks(model) -> list[float]:
-    """Replace every MoEBlock of `model` by one whose forward adds its wall time to [0] (seconds)."""
-    total = [0.0]
-    for i, block in enumerate(model.moe):
-        if block is not None:
-            model.moe[i] = _Timed(block, total)
-    return total
-
-
-class _Timed:
-    """A MoEBlock whose forward is timed (MoEBlock has __slots__, so it is wrapped, not patched)."""
-
-    def __init__(self, block, total: list[float]):
-        self.block, self.total = block, total
-
-    def forward(self, h, ops):
-        t0 = time.perf_counter()
-        out = self.block.forward(h, ops)
-        self.total[0] += time.perf_counter() - t0
-        return out
-
-
-def decode_step(model_dir: Path, batch: int, tp: int, ep: bool, new_tokens: int = 24) -> dict:
+def decode_step(model_dir: Path, batch: int, tp: int, ep: bool, dispatch: str = "allreduce",
+                new_tokens: int = 24) -> dict:
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
@@ -90,21 +72,20 @@ def decode_step(model_dir: Path, batch: int, tp: int, ep: bool, new_tokens: int 
     prompts = [torch.randint(3, VOCAB, (32,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False,
-             tensor_parallel_size=tp, enable_expert_parallel=ep) as llm:
+             tensor_parallel_size=tp, enable_expert_parallel=ep, moe_dispatch=dispatch) as llm:
         model = llm.core.model
         llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-        expert = _timed_blocks(model)
-        combine = model.moe_combine
+        moe = model.expert_dispatch
         for p in prompts:
             llm.add_request(p, params)
         llm.step()  # every prompt's prefill in one batch
         steps, expert_s, combine_s = [], [], []
         while llm.has_unfinished():
-            e0, c0, t0 = expert[0], combine.combine_s, time.perf_counter()
+            m0, c0, t0 = moe.total_s, moe.combine_s, time.perf_counter()
             llm.step()
             steps.append(time.perf_counter() - t0)
-            expert_s.append(expert[0] - e0)
-            combine_s.append(combine.combine_s - c0)
+            expert_s.append(moe.total_s - m0 - (moe.combine_s - c0))
+            combine_s.append(moe.combine_s - c0)
         mid = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]  # the median step
         return {"step_ms": steps[mid] * 1e3, "expert_ms": expert_s[mid] * 1e3, "combine_ms": combine_s[mid] * 1e3,
                 "rest_ms": (steps[mid] - expert_s[mid] - combine_s[mid]) * 1e3, "threads": torch.get_num_threads(),
@@ -161,10 +142,21 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     flags = Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; avx512_bf16: {'avx512_bf16' in flags}, "
           f"avx2: {' avx2' in flags}; load average before: {os.getloadavg()[0]:.1f}")
+    if argv not in ([], ["--decode"]):
+        print(f"usage: python -m engine.moe_bench [--decode]; got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    if not argv:
+        grouped_table()
+    decode_table()
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def grouped_table() -> None:
     print("\n| tokens | active experts | grouped (ms) | dense, same FLOPs (ms) | grouped / dense "
           "| weights read, grouped / dense (MB) | grouped GB/s | grouped GFLOP/s | dense GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -174,20 +166,23 @@ def main() -> int:
         print(f"| {t} | {r['active_experts']} | {r['grouped_ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f}x "
               f"| {r['grouped_mb']:.1f} / {r['dense_mb']:.1f} | {r['grouped_gbps']:.1f} | {r['grouped_gflops']:.1f} "
               f"| {r['dense_gflops']:.1f} |", flush=True)
+
+
+def decode_table() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(Path(tmp) / "moe")
         print("\n| batch | layout | step (ms) | expert compute (ms) | dispatch/combine (ms) | rest (ms) | threads/rank |")
         print("|---|---|---|---|---|---|---|")
         for batch in (1, 16):
-            for name, tp, ep, threads in (("one rank", 1, False, 2), ("one rank, 1 thread", 1, False, 1),
-                                          ("TP=2", 2, False, 1), ("EP=2", 2, True, 1)):
+            for name, tp, ep, dispatch, threads in (
+                    ("one rank", 1, False, "allreduce", 2), ("one rank, 1 thread", 1, False, "allreduce", 1),
+                    ("TP=2", 2, False, "allreduce", 1), ("EP=2 allreduce", 2, True, "allreduce", 1),
+                    ("EP=2 alltoall", 2, True, "alltoall", 1)):
                 torch.set_num_threads(threads)  # (TP=2: each rank takes 1 of the 2 cores itself)
-                r = decode_step(model_dir, batch, tp, ep)
+                r = decode_step(model_dir, batch, tp, ep, dispatch)
                 print(f"| {batch} | {name} | {r['step_ms']:.2f} | {r['expert_ms']:.2f} | {r['combine_ms']:.2f} | "
                       f"{r['rest_ms']:.2f} | {r['threads']} |", flush=True)
-    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,11 @@
 """The collectives a sharded model calls, injected into it (engine.model.LlamaModel's ``comm``).
 
 A model sees only `Collectives`: ``all_reduce`` (sum across the ranks, the
-result on every rank) and ``gather_vocab`` (the vocab-parallel logits,
-concatenated along the vocabulary on the rank that samples). `SINGLE` is the
+result on every rank), ``gather_vocab`` (the vocab-parallel logits,
+concatenated along the vocabulary on the rank that samples), and the two
+exchanges of the ``alltoall`` expert dispatch (engine.parallel.moe):
+``all_to_all`` (rows to the ranks that need them, split sizes given) and
+``all_gather`` (each rank's rows, uneven counts, concatenated on every rank). `SINGLE` is the
 TP=1 no-op. The implementations live beside this module and are chosen by
 name: ``shm`` (engine.parallel.shm, ranks on one host), ``gloo``
 (torch.distributed over TCP) and ``nccl`` (torch.distributed on CUDA, a GPU per
@@ -32,6 +35,7 @@ class CollectiveStats:
     bytes_all_reduced: int = 0  # this rank's tensors, summed
     all_reduce_s: float = 0.0
     gather_s: float = 0.0
+    all_to_all_s: float = 0.0  # the all-to-alls and the all-gathers of the alltoall expert dispatch
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.num_all_reduces += 1
@@ -49,6 +53,20 @@ class Collectives(Protocol):
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [N, vocab_shard] -> [N, size * vocab_shard] (rank order) on rank 0, None elsewhere."""
+
+    def all_to_all(self, x: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        """Rows to ranks: ``splits[s][d]`` is how many rows rank s sends rank d (the whole matrix,
+        the same on every rank). x: [sum(splits[rank]), ...], its rows grouped by destination in
+        rank order -> [sum of column ``rank``, ...], what each source sent, in rank order."""
+
+    def all_gather(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """x: [rows[rank], ...] -> [sum(rows), ...], every rank's rows in rank order, on every rank."""
+
+
+def row_splits(num_rows: int, size: int) -> list[int]:
+    """Contiguous, as even as they go: the first ``num_rows % size`` ranks take one row more."""
+    base, extra = divmod(num_rows, size)
+    return [base + (r < extra) for r in range(size)]
 
 
 class _Single:
@@ -118,6 +136,36 @@ class _DistCollectives:
                                   f"{e}") from e
         self.stats.gather_s += time.perf_counter() - t0
         return torch.cat(parts, dim=1) if parts is not None else None
+
+    def all_to_all(self, x: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        recv = [splits[s][self.rank] for s in range(self.size)]
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        try:
+            self._dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv,
+                                         input_split_sizes=list(splits[self.rank]), group=self.group)
+        except RuntimeError as e:
+            raise CollectiveError(f"tensor-parallel all-to-all ({self.backend}) failed on rank {self.world_rank}: "
+                                  f"{e}") from e
+        self.stats.all_to_all_s += time.perf_counter() - t0
+        return out
+
+    def all_gather(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        # torch.distributed gathers equal sizes: pad each rank's rows to the most any rank has
+        t0 = time.perf_counter()
+        most = max(rows)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = x.new_empty((self.size * most, *x.shape[1:]))
+        try:
+            self._dist.all_gather_single(out, padded, group=self.group)
+        except RuntimeError as e:
+            raise CollectiveError(f"tensor-parallel all-gather ({self.backend}) failed on rank {self.world_rank}: "
+                                  f"{e}") from e
+        self.stats.all_to_all_s += time.perf_counter() - t0
+        if all(n == most for n in rows):
+            return out
+        return torch.cat([out[r * most: r * most + n] for r, n in enumerate(rows)])
 
     def close(self) -> None:
         if self._dist.is_initialized():

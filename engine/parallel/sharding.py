@@ -12,7 +12,9 @@ attention heads, its KV heads, its MLP columns and its vocabulary range.
     MoE experts             without expert parallelism: each expert's gate|up column- and
                             down row-parallel, like the dense MLP; with it (`expert_parallel`):
                             whole experts, split across the ranks (`expert_placement`)
-    shared expert (Qwen2)   column/row-parallel like the dense MLP; its sigmoid gate replicated
+    shared expert (Qwen2)   column/row-parallel like the dense MLP; its sigmoid gate replicated;
+                            whole on every rank under the ``alltoall`` dispatch (each rank runs
+                            it on its own slice of the tokens: engine/parallel/moe.py)
 
 KV heads are split across ranks, or replicated when tp > num_kv_heads (each
 rank then holds the one KV head its query heads read). `load_shard` reads a
@@ -125,6 +127,8 @@ class ShardLayout:
     moe_intermediate_size: int = 0  # MoE: columns of each held expert on this rank
     shared_intermediate_size: int = 0  # Qwen2-MoE: columns of the shared expert on this rank
     expert_parallel: bool = False
+    expert_owner: tuple[int, ...] = ()  # expert parallelism: the rank holding each expert
+    is_shared_expert_whole: bool = False  # the shared expert replicated (the alltoall dispatch)
     # pipeline parallelism: this rank's stage and its global layers (all of them at pp 1); the
     # embedding lives on the first stage, the final norm and the LM head on the last
     layers: range | None = None
@@ -139,12 +143,12 @@ class ShardLayout:
         pp_rank, tp_rank = divmod(rank, tp)
         layers = pipeline_layers(cfg.num_layers, pp, config.pipeline_layer_split)[pp_rank]
         return cls.for_rank(cfg, tp_rank, tp, config.enable_expert_parallel, config.expert_placement,
-                            layers=layers, pp_rank=pp_rank, pp_size=pp)
+                            layers=layers, pp_rank=pp_rank, pp_size=pp, moe_dispatch=config.moe_dispatch)
 
     @classmethod
     def for_rank(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False,
                  expert_placement: str = "contiguous", layers: range | None = None, pp_rank: int = 0,
-                 pp_size: int = 1) -> ShardLayout:
+                 pp_size: int = 1, moe_dispatch: str = "allreduce") -> ShardLayout:
         """`rank` is the rank inside its tensor-parallel group (of `size`)."""
         check_tensor_parallel(cfg, size, expert_parallel)
         nh = cfg.num_heads // size
@@ -153,10 +157,14 @@ class ShardLayout:
         moe = {}
         if cfg.is_moe:
             ep = expert_parallel and size > 1
-            moe = dict(experts=expert_ranks(cfg.num_experts, size, expert_placement)[rank] if ep
-                       else tuple(range(cfg.num_experts)),
+            placed = expert_ranks(cfg.num_experts, size, expert_placement) if ep else None
+            whole = ep and moe_dispatch == "alltoall"
+            moe = dict(experts=placed[rank] if ep else tuple(range(cfg.num_experts)),
                        moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else size),
-                       shared_intermediate_size=cfg.shared_expert_intermediate_size // size, expert_parallel=ep)
+                       shared_intermediate_size=cfg.shared_expert_intermediate_size // (1 if whole else size),
+                       expert_parallel=ep, is_shared_expert_whole=whole,
+                       expert_owner=tuple(r for e in range(cfg.num_experts) for r in range(size)
+                                          if e in placed[r]) if ep else ())
         return cls(rank, size, nh, nkv, rank * nh, kv0, cfg.intermediate_size // size,
                    rank * vs, vs, cfg.vocab_size, **moe,
                    layers=layers if layers is not None else range(cfg.num_layers), pp_rank=pp_rank, pp_size=pp_size)
@@ -239,6 +247,8 @@ def weight_shards(cfg: ModelConfig, layout: ShardLayout) -> dict[str, WeightShar
         if layout.expert_parallel:
             cols = 0, layout.moe_intermediate_size
         shared = layout.rank * layout.shared_intermediate_size, (layout.rank + 1) * layout.shared_intermediate_size
+        if layout.is_shared_expert_whole:
+            shared = 0, layout.shared_intermediate_size
         for name in moe_layer_shapes(cfg, i, layout.experts):
             kind = name.rsplit(".", 2)[-2]  # gate | gate_proj | up_proj | down_proj | shared_expert_gate
             span = shared if ".shared_expert." in name else cols

@@ -13,6 +13,10 @@ last one in that set. Stores are ordered data, then
 flag, which x86's memory model keeps; another ISA would need fences (a C++
 helper with std::atomic).
 
+The expert dispatch's all-to-all and all-gather (uneven rows) go through the
+same slots under the same barrier: each rank publishes its rows a slot's worth
+at a time and every rank copies out the byte ranges meant for it.
+
 The same segment carries rank 0's per-step control message to the other
 ranks (`send` / `recv`: a ring of `ctrl_slots` payloads, each rank acknowledging
 what it read, so rank 0 may run ahead of a later pipeline stage by that many
@@ -53,6 +57,13 @@ SEGMENT_PREFIX = "kvrelay-tp-"
 
 def _round(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    n = x.element_size()
+    for d in x.shape[1:]:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -177,7 +188,8 @@ def unlink_segment(path: str) -> None:
 
 
 class ShmGroup:
-    """One rank's handle on the segment: `Collectives` (all_reduce, gather_vocab) over its
+    """One rank's handle on the segment: `Collectives` (all_reduce, gather_vocab, all_to_all,
+    all_gather) over its
     tensor-parallel ``group`` (the segment ranks of its pipeline stage; default: all), plus the
     control channel (rank 0 `send`s, the others `recv`). ``rank`` is the segment rank;
     ``self.rank`` / ``self.size`` then are the place in the group and its size, as a model sees them.
@@ -325,6 +337,62 @@ class ShmGroup:
                 self._views.clear()
             self._views[key] = views
         return views
+
+    def all_to_all(self, x: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        row = _row_bytes(x)
+        starts = [sum(splits[s][:self.rank]) * row for s in range(self.size)]  # my block in each source's rows
+        wanted = [(a, a + splits[s][self.rank] * row) for s, a in enumerate(starts)]
+        out = x.new_empty((sum(splits[s][self.rank] for s in range(self.size)), *x.shape[1:]))
+        self._exchange(x, [sum(r) * row for r in splits], wanted, out, "all-to-all")
+        self.stats.all_to_all_s += time.perf_counter() - t0
+        return out
+
+    def all_gather(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        row = _row_bytes(x)
+        sizes = [n * row for n in rows]
+        out = x.new_empty((sum(rows), *x.shape[1:]))
+        self._exchange(x, sizes, [(0, n) for n in sizes], out, "all-gather")
+        self.stats.all_to_all_s += time.perf_counter() - t0
+        return out
+
+    def _exchange(self, x: torch.Tensor, sizes: list[int], wanted: list[tuple[int, int]], out: torch.Tensor,
+                  what: str) -> None:
+        """Each rank r of the group publishes its ``sizes[r]`` bytes (x's); this rank copies bytes
+        [lo, hi) = ``wanted[r]`` of each rank's into `out`, in rank order (its own straight from x).
+        The bytes go through the all-reduce slots, ``ar_bytes`` of every rank's at a time: one
+        round per window, the same rounds on every rank (they all know `sizes`), each one
+        generation of the all-reduce's barrier (so the two share its slots safely)."""
+        src = x.contiguous().view(-1).view(torch.uint8)
+        dst = out.view(-1).view(torch.uint8)
+        at, place = 0, []
+        for lo, hi in wanted:
+            place.append(at)
+            at += hi - lo
+        lo, hi = wanted[self.rank]
+        dst[place[self.rank]: place[self.rank] + hi - lo].copy_(src[lo:hi])
+        window = self.layout.ar_bytes
+        lay, f = self.layout, self._flags
+        for w0 in range(0, max(sizes), window):
+            g = self._ar_gen = self._ar_gen + 1
+            slots = self._ar_slots(g & 1, torch.uint8, window)
+            mine = src[w0: min(w0 + window, sizes[self.rank])]
+            slots[self.rank][: mine.numel()].copy_(mine)
+            f[lay.ar_flag(self.seg_rank)] = g
+            for j, r in enumerate(self.group):
+                if r == self.seg_rank:
+                    continue
+                a, b = max(wanted[j][0], w0), min(wanted[j][1], w0 + window)
+                if a >= b:
+                    continue
+                if f[lay.ar_flag(r)] < g:
+                    self._wait(lay.ar_flag(r), g, what)
+                at = place[j] + a - wanted[j][0]
+                dst[at: at + b - a].copy_(slots[j][a - w0: b - w0])
+            for r in self._others:  # every peer's flag too: the barrier the slot reuse relies on
+                if f[lay.ar_flag(r)] < g:
+                    self._wait(lay.ar_flag(r), g, what)
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
         # x: [N, vs] float32 -> [N, size * vs] on rank 0

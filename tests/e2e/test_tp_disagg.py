@@ -86,14 +86,24 @@ def moe_model(tmp_path_factory, default_model_dir):
     return folder
 
 
-def test_moe_prefill_with_expert_parallelism_hands_off_to_a_tp1_decode(ray_instance, moe_model, prompts):
+EP = {"enable_expert_parallel": True}
+
+
+@pytest.mark.parametrize("prefill, decode_tp, decode", [
+    pytest.param(EP, 1, {}, id="ep2-allreduce-to-tp1"),
+    pytest.param(dict(EP, moe_dispatch="alltoall"), 2, dict(EP, moe_dispatch="allreduce"),
+                 id="ep2-alltoall-to-ep2-allreduce")])
+def test_moe_prefill_with_expert_parallelism_hands_off_to_another_layout(ray_instance, moe_model, prompts,
+                                                                         prefill, decode_tp, decode):
     """The KV is attention's only: the reshard plan applies unchanged between an expert-parallel
-    prefill (TP=2, EP) and a TP=1 decode."""
+    prefill (TP=2, EP) and a decode of another layout, and each stage runs the expert dispatch
+    its own spec names (prefill alltoall, decode allreduce)."""
     llm = LLM(str(moe_model), dtype="float32", num_kv_blocks=128)
     want = [o.token_ids for o in llm.generate(prompts[:8], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                                             ignore_eos=True))]
-    spec = _spec(moe_model, 2, 1, "grpc")
-    spec["prefill"]["enable_expert_parallel"] = True
+    spec = _spec(moe_model, 2, decode_tp, "grpc")
+    spec["prefill"].update(prefill)
+    spec["decode"].update(decode)
     with running_cluster(spec) as rc:
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: list(rc.client.generate(token_ids=p, max_tokens=MAX_TOKENS, temperature=0,

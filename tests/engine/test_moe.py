@@ -1,7 +1,8 @@
 """Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): greedy fp32 output equals transformers'
-token for token, at TP=1, TP=2 and TP=2 with expert parallelism; both checkpoint layouts load
-to the same model; routing corner cases (idle experts, every token on the same experts);
-batch invariance; per-expert load; bad input named."""
+token for token, at TP=1, TP=2 and TP=2 with expert parallelism under either dispatch
+(``allreduce``; ``alltoall`` on shm and on gloo); both checkpoint layouts load to the same
+model; routing corner cases (idle experts, every token on the same experts, fewer tokens than
+ranks); batch invariance; per-expert load; bad input named."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,11 @@ from tests.engine.factories import hf_greedy_mismatch, random_prompts, save_tiny
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PACKED = {"save_original_format": False}  # transformers 5's own layout: experts.gate_up_proj [E, 2I, H]
+EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+# the layouts a test runs at, by id: LLM arguments
+LAYOUTS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "ep2": EP2,
+           "ep2-alltoall": dict(EP2, moe_dispatch="alltoall"),
+           "ep2-alltoall-gloo": dict(EP2, moe_dispatch="alltoall", tp_backend="gloo")}
 
 
 def generate(folder, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], torch.Tensor]:
@@ -75,39 +81,47 @@ def test_tp1_greedy_equals_transformers(moe_dir, prompts):
     assert load.shape[1] == 4 and int(load.sum()) > 0
 
 
-def test_expert_load_counts_every_routed_token(moe_dir):
+@pytest.mark.parametrize("layout", ["tp1", "ep2-alltoall"])
+def test_expert_load_counts_every_routed_token(moe_dir, layout):
+    """Each (token, expert) pair counted once: alltoall's ranks route only their slices, and the
+    count exchange gives rank 0 (whose load is reported) every slice's counts."""
     prompt = random_prompts(1, 96, [9], seed=5)[0]
-    outs, load = generate(moe_dir, [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    with LLM(str(moe_dir), dtype="float32", num_kv_blocks=64, **LAYOUTS[layout]) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        load, report = llm.core.expert_load(), llm.core.load("r0")
+        assert llm.core.pool.is_fully_free()
     forwarded = len(prompt) + 6 - 1  # the last sampled token is never fed back
     assert load.sum(1).tolist() == [forwarded * 2] * load.shape[0]  # top-2, per sparse layer
-    with LLM(str(moe_dir), dtype="float32", num_kv_blocks=64) as llm:
-        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        report = llm.core.load("r0")
-        assert report.expert_load == tuple(load.sum(0).tolist())
+    assert report.expert_load == tuple(load.sum(0).tolist())
 
 
-def test_idle_experts_one_token_at_a_time(moe_dir):
-    """A one-token prompt: every step is one token on 2 of the 4 experts, so two get no token."""
+@pytest.mark.parametrize("layout", ["tp1", "ep2-alltoall"])
+def test_idle_experts_one_token_at_a_time(moe_dir, layout):
+    """A one-token prompt: every step is one token on 2 of the 4 experts, so two get no token
+    (and under alltoall, one token for two ranks: rank 1's slice is empty)."""
     prompt = [7]
-    outs, load = generate(moe_dir, [prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    kw = LAYOUTS[layout]
+    outs, load = generate(moe_dir, [prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), **kw)
     assert ((load == 0).sum(1) == 2).all(), load
-    outs, _ = generate(moe_dir, [prompt])
-    assert_matches_transformers(moe_dir, [prompt], outs, "one token per step")
+    outs, _ = generate(moe_dir, [prompt], **kw)
+    assert_matches_transformers(moe_dir, [prompt], outs, f"one token per step, {layout}")
 
 
-def test_every_token_on_the_same_experts(tmp_path, prompts):
+@pytest.mark.parametrize("layout", ["tp1", "ep2-alltoall"])
+def test_every_token_on_the_same_experts(tmp_path, prompts, layout):
     """A router of zeros: every logit ties, so every token goes to the same two experts (the
-    ones torch.topk picks among equal values, as in the reference) and the other two get nothing."""
+    ones torch.topk picks among equal values, as in the reference) and the other two get nothing
+    (under alltoall, every row goes to the one rank holding both)."""
     save_tiny_model(tmp_path, "mixtral")
     hf = hf_model(tmp_path)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.mlp.gate.weight.zero_()
     hf.save_pretrained(tmp_path)
-    outs, load = generate(tmp_path, prompts)
+    outs, load = generate(tmp_path, prompts, **LAYOUTS[layout])
     for row in load:  # per sparse layer: two experts took every token, two none
         assert sorted(row.tolist()) == [0, 0, int(row.max()), int(row.max())] and row.max() > 0, load
-    assert_matches_transformers(tmp_path, prompts, outs, "zero router")
+    assert_matches_transformers(tmp_path, prompts, outs, f"zero router, {layout}")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -152,28 +166,48 @@ def test_rank_shards_equal_across_layouts(tmp_path, kind):
             assert held == ({0, 1} if rank == 0 else {2, 3}) if ep else held == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
-def test_tp2_greedy_equals_tp1_and_transformers(moe_dir, ep, prompts):
+def test_alltoall_keeps_the_shared_expert_whole_on_every_rank(tmp_path):
+    """alltoall runs Qwen2-MoE's shared expert on each rank's slice of the tokens, so each rank
+    holds it whole (allreduce splits its columns like a dense MLP's)."""
+    from engine.parallel.sharding import ShardLayout, load_shard
+    from engine.weights import read_config
+
+    save_tiny_model(tmp_path, "qwen2_moe")
+    cfg = read_config(tmp_path)
+    S, H = cfg.shared_expert_intermediate_size, cfg.hidden_size
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    for dispatch, cols in (("allreduce", S // 2), ("alltoall", S)):
+        for rank in (0, 1):
+            layout = ShardLayout.for_rank(cfg, rank, 2, expert_parallel=True, moe_dispatch=dispatch)
+            _, w = load_shard(tmp_path, layout)
+            assert tuple(w[name].shape) == (H, cols), (dispatch, rank)
+            assert layout.expert_owner == (0, 0, 1, 1)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "ep2-alltoall", "ep2-alltoall-gloo"])
+def test_tp2_greedy_equals_tp1_and_transformers(moe_dir, layout, prompts):
     kind = moe_dir.name
     ref, ref_load = generate(moe_dir, prompts, max_num_batched_tokens=64)
-    out, load = generate(moe_dir, prompts, max_num_batched_tokens=64, tensor_parallel_size=2,
-                         enable_expert_parallel=ep)
-    assert out == ref, f"{kind}: TP=2 (expert parallel: {ep}) diverged from TP=1"
-    assert torch.equal(load, ref_load)  # rank 0 routes every token: the same counts
-    assert_matches_transformers(moe_dir, prompts, out, f"TP=2, expert parallel {ep}")
+    out, load = generate(moe_dir, prompts, max_num_batched_tokens=64, **LAYOUTS[layout])
+    assert out == ref, f"{kind}: {layout} diverged from TP=1"
+    # rank 0 routes every token (allreduce) or gets every slice's counts (alltoall): the same counts
+    assert torch.equal(load, ref_load)
+    assert_matches_transformers(moe_dir, prompts, out, layout)
 
 
-def test_uneven_round_robin_experts(tmp_path, prompts):
-    """3 experts on 2 ranks (2 + 1), round-robin placement, packed checkpoint: still exact."""
+@pytest.mark.parametrize("dispatch", ["allreduce", "alltoall"])
+def test_uneven_round_robin_experts(tmp_path, prompts, dispatch):
+    """3 experts on 2 ranks (2 + 1), round-robin placement, packed checkpoint: still exact
+    (alltoall: a slice's rows go to the ranks in another order than the experts' ids)."""
     from engine.parallel.sharding import expert_ranks
 
     assert expert_ranks(3, 2) == [(0, 1), (2,)] and expert_ranks(3, 2, "round_robin") == [(0, 2), (1,)]
     save_tiny_model(tmp_path, "qwen2_moe", save_kw=PACKED, num_experts=3)
     ref, _ = generate(tmp_path, prompts)
     out, _ = generate(tmp_path, prompts, tensor_parallel_size=2, enable_expert_parallel=True,
-                      expert_placement="round_robin")
+                      expert_placement="round_robin", moe_dispatch=dispatch)
     assert out == ref
-    assert_matches_transformers(tmp_path, prompts, out, "uneven round-robin EP=2")
+    assert_matches_transformers(tmp_path, prompts, out, f"uneven round-robin EP=2, {dispatch}")
 
 
 @pytest.mark.parametrize("overrides", [dict(clip_qkv=0.5), dict(num_key_value_heads=1)],
@@ -188,11 +222,16 @@ def test_olmoe_variants_at_tp1_and_tp2(tmp_path, prompts, overrides):
     assert_matches_transformers(tmp_path, prompts, out, f"OLMoE {overrides}")
 
 
-@pytest.mark.parametrize("numerics", ["float32", "bfloat16-avx512bf16", "bfloat16-avx2"])
-def test_batch_invariant(tmp_path, numerics):
-    """A sequence's greedy output alone equals its output among 11 others (mixed prefill and decode)."""
+@pytest.mark.parametrize("numerics, layout", [
+    ("float32", "tp1"), ("bfloat16-avx512bf16", "tp1"), ("bfloat16-avx2", "tp1"),
+    ("float32", "ep2"), ("float32", "ep2-alltoall"), ("bfloat16-avx512bf16", "ep2-alltoall")])
+def test_batch_invariant(tmp_path, numerics, layout):
+    """A sequence's greedy output alone equals its output among 11 others (mixed prefill and
+    decode). Under alltoall the batch decides which rank's slice a token falls in, and which
+    rows meet it in an expert's matmul: neither may change its output."""
     dtype, _, isa = numerics.partition("-")
-    kw = {"dtype": dtype, "kernel_isa": require_isa(isa) if isa else "auto", "num_kv_blocks": 256}
+    kw = {"dtype": dtype, "kernel_isa": require_isa(isa) if isa else "auto", "num_kv_blocks": 256,
+          **LAYOUTS[layout]}
     save_tiny_model(tmp_path, "qwen2_moe", max_position_embeddings=256)
     prompts = random_prompts(12, 96, [1, 120, 7, 64, 33, 2, 97, 16, 15, 17, 50, 81], seed=11)
     with LLM(str(tmp_path), **kw) as llm:
@@ -248,16 +287,49 @@ def test_parallel_settings_are_checked(tmp_path):
     cfg = read_config(tmp_path)
     with pytest.raises(ConfigError, match="enable_expert_parallel: tensor_parallel_size 4 exceeds the model's 2"):
         ShardLayout.for_rank(cfg, 0, 4, expert_parallel=True)
-    with pytest.raises(ConfigError, match="moe_dispatch: 'alltoall' needs a backend with an all-to-all"):
-        EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, moe_dispatch="alltoall").validate()
+    # alltoall sends tokens to their experts' ranks: refused where there are none to send to
+    for kw in ({"tensor_parallel_size": 1}, {"tensor_parallel_size": 1, "enable_expert_parallel": True},
+               {"tensor_parallel_size": 2}):
+        with pytest.raises(ConfigError, match="moe_dispatch: 'alltoall' .* needs enable_expert_parallel at "
+                                              "tensor_parallel_size > 1"):
+            EngineConfig(moe_dispatch="alltoall", **kw).validate()
+    with pytest.raises(ConfigError, match="moe_dispatch: 'alltoall' .* needs enable_expert_parallel"):
+        LLM(str(tmp_path), dtype="float32", moe_dispatch="alltoall")
+    with pytest.raises(ConfigError, match="moe_dispatch: must be one of"):
+        LLM(str(tmp_path), dtype="float32", moe_dispatch="all-to-all")
+    for tp_backend in ("shm", "gloo"):  # on every CPU backend
+        EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, moe_dispatch="alltoall",
+                     tp_backend=tp_backend).validate()
     with pytest.raises(ConfigError, match="expert_placement: must be one of"):
         LLM(str(tmp_path), dtype="float32", expert_placement="random")
 
 
-def test_stage_spec_carries_enable_expert_parallel():
-    """The stage spec's field reaches the stage's EngineConfig, per stage (prefill EP, decode not)."""
+def test_stage_spec_carries_the_expert_parallel_fields():
+    """The stage spec's fields reach the stage's EngineConfig, per stage (prefill EP with
+    alltoall, decode EP with allreduce; a stage without EP keeps the defaults)."""
     from cluster.spec import Spec, Stage, split_spec
 
-    cfg = split_spec(Spec.model_validate({"prefill": {"enable_expert_parallel": True}, "decode": {}}))
-    assert cfg.stages[Stage.PREFILL].engine.enable_expert_parallel
+    ep = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    cfg = split_spec(Spec.model_validate({"prefill": dict(ep, moe_dispatch="alltoall", expert_placement="round_robin"),
+                                          "decode": dict(ep, moe_dispatch="allreduce")}))
+    prefill, decode = cfg.stages[Stage.PREFILL].engine, cfg.stages[Stage.DECODE].engine
+    assert (prefill.enable_expert_parallel, prefill.moe_dispatch, prefill.expert_placement) == \
+        (True, "alltoall", "round_robin")
+    assert (decode.enable_expert_parallel, decode.moe_dispatch, decode.expert_placement) == \
+        (True, "allreduce", "contiguous")
+    cfg = split_spec(Spec.model_validate({"prefill": {}, "decode": {}}))
     assert not cfg.stages[Stage.DECODE].engine.enable_expert_parallel
+    assert cfg.stages[Stage.DECODE].engine.moe_dispatch == "allreduce"
+
+
+@pytest.mark.parametrize("stage, message", [
+    ({"tensor_parallel_size": 2, "moe_dispatch": "alltoall"},
+     "moe_dispatch: 'alltoall' sends each token to the rank holding its experts"),
+    ({"tensor_parallel_size": 2, "enable_expert_parallel": True, "moe_dispatch": "broadcast"},
+     "prefill.moe_dispatch"),
+    ({"expert_placement": "random"}, "prefill.expert_placement")])
+def test_stage_spec_refuses_bad_expert_parallel_fields(stage, message):
+    from cluster.spec import Spec, SpecError
+
+    with pytest.raises(SpecError, match=message):
+        Spec.model_validate({"prefill": stage, "decode": {}})
