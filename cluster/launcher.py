@@ -23,7 +23,8 @@ from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
 from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
-from cluster.spec_tp import check_fits_model
+from cluster.spec_errors import SpecError
+from cluster.spec_tp import check_fits_cluster, check_fits_model
 from cluster.types import Stage
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 # Threaded actors: calls (reserve, stream, abort, load) arrive on Ray's
 # threads while the stage's own loop thread runs the engine.
 ACTOR_MAX_CONCURRENCY = 1000
+
+
+def _resources(res: dict) -> str:
+    """Ray resources as `CPU 1, GPU 0`: the ones a spec's `resources` name (no node or memory keys)."""
+    shown = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store_memory"))}
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items())) or "none"
 
 
 def _stage_class(stage: Stage):
@@ -77,12 +84,18 @@ class Cluster:
             self.progress(f"joining the Ray cluster at {address}" if address else "starting a local Ray instance")
             init_ray(cfg.ray_address, cfg.ray_namespace)  # a failure names the auth token setting
             self._started_ray = True
-        transfer = cfg.transfer
-        if transfer.sender.secret is None:
-            transfer = transfer.with_secret(secrets.token_hex(16))
         # a joined cluster may span hosts: receivers bind where the spec's
         # network section says (default: their node's own address)
         self._is_joined = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
+        try:  # a replica the cluster cannot hold would wait for resources until ready_timeout_s
+            check_fits_cluster(cfg.stages, ray.cluster_resources())
+        except SpecError as e:
+            if not self._is_joined:
+                raise
+            log.warning("%s\n(a joined cluster may still grow to fit: waiting up to %gs)", e, ready_timeout_s)
+        transfer = cfg.transfer
+        if transfer.sender.secret is None:
+            transfer = transfer.with_secret(secrets.token_hex(16))
         receiver = cfg.network.receiver_config(transfer.receiver, self._is_joined)
         self._transfer_args = {Stage.PREFILL: transfer.sender, Stage.DECODE: receiver, Stage.COLOCATED: None}
         for stage, sc in cfg.stages.items():
@@ -97,7 +110,8 @@ class Cluster:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + ready_timeout_s - time.monotonic()))
             if not ready:
                 raise TimeoutError(f"replica(s) {', '.join(refs[r] for r in pending)} not ready after "
-                                   f"{ready_timeout_s:g}s")
+                                   f"{ready_timeout_s:g}s (free in the Ray cluster now: "
+                                   f"{_resources(ray.available_resources())})")
             ray.get(ready)  # raises the replica's own error if it failed to start
             self.progress(f"  {refs[ready[0]]} loaded ({time.monotonic() - t0:.1f}s; {len(pending)} to go)")
 

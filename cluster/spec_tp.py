@@ -1,6 +1,7 @@
 """The spec's parallelism checks that need the model: a TP that does not split the model's
 heads (`check_tp_fits_model`) and a pipeline split that does not fit its layers
-(`check_pp_fits_model`), at `kvrelay validate` and at start (`check_fits_model`: both). Each
+(`check_pp_fits_model`), at `kvrelay validate` and at start (`check_fits_model`: both); and, at
+start, whether every replica fits the Ray cluster's resources at once (`check_fits_cluster`). Each
 problem names its field, as every spec problem does. Prefill and decode may differ in TP: the KV
 transfer reshards the heads between them (`kvtransfer.reshard`); a pipeline-parallel prefill
 hands each rank's layers to the decode ranks by global layer id."""
@@ -56,5 +57,46 @@ def _raise_problems(checks: dict) -> None:
             check()
         except ConfigError as e:
             problems.append(f"{stage.value}.{e}")
+    if problems:
+        raise SpecError(problems)
+
+
+_RAY_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
+
+
+def resource_demand(stages: dict) -> dict[str, dict[Stage, float]]:
+    """Ray resource -> stage -> what its replicas ask for in all (replicas x ranks x each rank's
+    `resources`), from a launcher's StageConfigs."""
+    demand: dict[str, dict[Stage, float]] = {}
+    for stage, sc in stages.items():
+        n = sc.num_replicas * sc.num_ranks
+        opts = sc.ray_options
+        asked = {name: opts.get(key) or 0.0 for key, name in _RAY_NAMES.items()}
+        asked.update(opts.get("resources") or {})
+        for name, amount in asked.items():
+            if amount:
+                demand.setdefault(name, {})[stage] = n * float(amount)
+    return demand
+
+
+def check_fits_cluster(stages: dict, cluster_resources: dict[str, float]) -> None:
+    """Every replica of every stage can be placed at once on a cluster of ``cluster_resources``
+    (`ray.cluster_resources()`): otherwise a replica would wait for resources nobody frees until
+    the start times out. Raises SpecError naming each resource short, with what each stage asks
+    for (replicas x ranks x per rank) and what the cluster has."""
+    problems = []
+    for name, by_stage in resource_demand(stages).items():
+        need, have = sum(by_stage.values()), float(cluster_resources.get(name, 0.0))
+        if any(stages[st].num_ranks > 1 and amount / stages[st].num_replicas > have + 1e-9
+               for st, amount in by_stage.items()):
+            continue  # one multi-rank replica alone does not fit: its placement is refused naming its bundles
+        if need > have + 1e-9:
+            parts = ", ".join(
+                f"{stage.value} {stages[stage].num_replicas} x {stages[stage].num_ranks} rank(s) x "
+                f"{amount / (stages[stage].num_replicas * stages[stage].num_ranks):g}"
+                for stage, amount in by_stage.items())
+            problems.append(f"resources: the stages ask for {need:g} {name} in all ({parts}) and the Ray "
+                            f"cluster has {have:g}; lower a stage's replicas or its resources per rank "
+                            f"(fractions such as num_cpus: 0.5 share a core)")
     if problems:
         raise SpecError(problems)

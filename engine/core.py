@@ -266,9 +266,10 @@ class EngineCore:
 
     def expert_load(self) -> torch.Tensor:
         """A mixture of experts: tokens routed to each expert since start, [sparse layers, experts]
-        (rows in ModelConfig.moe_layers order). Rank 0 routes every token, so these are the counts
-        of every rank; with expert parallelism, a rank's load is the sum over the experts it holds
-        (`expert_ranks`). With pipeline parallelism each stage's leader counts its own layers' rows in
+        (rows in ModelConfig.moe_layers order), each (token, expert) pair once. Under the `allreduce`
+        dispatch rank 0 routes every token itself; under `alltoall` each rank routes its slice and
+        rank 0 adds the counts the ranks exchange before the dispatch (engine.parallel.moe). With
+        expert parallelism, a rank's load is the sum over the experts it holds (`expert_ranks`). With pipeline parallelism each stage's leader counts its own layers' rows in
         the shared segment (engine.parallel.pipe.StageChannel.share_expert_counts)."""
         return self.model.expert_counts.clone()
 

@@ -1,6 +1,8 @@
 """The spec's tensor-parallel fields: what reaches the engine and the launcher, and the
 refusals (a strategy that may spread the ranks, GPUs, a TP that does not split the model's
 heads), each naming its field; disaggregated stages may differ in TP."""
+from pathlib import Path
+
 import pytest
 
 from cluster.cli import main
@@ -172,3 +174,48 @@ def test_the_launcher_checks_the_split_with_every_problem_named(tmp_path):
         check_fits_model(cfg.stages, read_config(tmp_path / "m"))
     assert e.value.problems[0].startswith("prefill.tensor_parallel_size: 3")
     assert e.value.problems[1] == "prefill.pipeline_layer_split: [3] sums to 3 layers; the model has 4"
+
+
+def test_the_launcher_refuses_replicas_the_ray_cluster_cannot_hold_at_once():
+    """What `serve` checks once Ray is up (check_fits_cluster): a replica the cluster cannot hold
+    would otherwise wait for resources until the start times out, with no word of why."""
+    from cluster.spec_tp import check_fits_cluster
+
+    cfg = split_spec(Spec.model_validate({"prefill": {"pipeline_parallel_size": 2, "resources": {"num_cpus": 1}},
+                                          "decode": {"resources": {"num_cpus": 1}}}))
+    with pytest.raises(SpecError) as e:
+        check_fits_cluster(cfg.stages, {"CPU": 2.0, "memory": 1e9})
+    assert e.value.problems == [
+        "resources: the stages ask for 3 CPU in all (prefill 1 x 2 rank(s) x 1, decode 1 x 1 rank(s) x 1) and the "
+        "Ray cluster has 2; lower a stage's replicas or its resources per rank (fractions such as num_cpus: 0.5 "
+        "share a core)"]
+    check_fits_cluster(cfg.stages, {"CPU": 3.0})
+    # one pipeline-parallel replica alone too big: left to its placement, which names its bundles
+    check_fits_cluster(cfg.stages, {"CPU": 1.0})
+    gpu = split_spec(Spec.model_validate({"prefill": {"tensor_parallel_size": 4, "resources": {"num_gpus": 1}},
+                                          "decode": {"replicas": 2, "resources": {"num_gpus": 1,
+                                                                                  "custom": {"decode_node": 1}}}}))
+    with pytest.raises(SpecError) as e:
+        check_fits_cluster(gpu.stages, {"CPU": 64.0, "GPU": 4.0})
+    assert [p.split(" in all")[0] for p in e.value.problems] == [
+        "resources: the stages ask for 6 GPU", "resources: the stages ask for 2 decode_node"]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_cpu_spec_in_deploy_fits_a_two_core_machine(path, monkeypatch):
+    """`kvrelay serve deploy/<spec>.yaml` on a 2-core laptop (or CI): every CPU-only spec's replicas
+    fit its local Ray instance at once."""
+    import yaml
+
+    from cluster.spec import load_spec
+    from cluster.spec_tp import check_fits_cluster
+
+    if "apiVersion" in (yaml.safe_load(path.read_text()) or {}):
+        pytest.skip("a Kubernetes manifest")
+    monkeypatch.setenv("KVRELAY_API_KEYS", "k")
+    monkeypatch.setenv("KVRELAY_CLUSTER_SECRET", "s")
+    stages = split_spec(load_spec(path)).stages
+    if any(sc.ray_options.get("num_gpus") or sc.ray_options.get("resources") for sc in stages.values()):
+        pytest.skip("a GPU or multi-node spec")
+    check_fits_cluster(stages, {"CPU": 2.0})
