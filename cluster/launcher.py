@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 
 from cluster.frontends import Frontends, serve_frontends
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 # Threaded actors: calls (reserve, stream, abort, load) arrive on Ray's
 # threads while the stage's own loop thread runs the engine.
 ACTOR_MAX_CONCURRENCY = 1000
+
+
+class StartCancelled(RuntimeError):
+    """`Cluster.start_cancelled` was set while the replicas loaded (`kvrelay serve` got SIGINT/SIGTERM)."""
 
 
 def _resources(res: dict) -> str:
@@ -53,6 +58,7 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig):
         self.config = config
+        self.start_cancelled = threading.Event()  # set (from any thread) to stop a start part-way
         self.actors: dict[str, tuple[Stage, object]] = {}
         self.placement_groups: dict[str, object] = {}  # replica id -> its placement group (tensor-parallel ones)
         self.backend: RayBackend | None = None
@@ -107,7 +113,12 @@ class Cluster:
         refs = {a.load.remote(): rid for rid, (_, a) in self.actors.items()}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + ready_timeout_s - time.monotonic()))
+            left = t0 + ready_timeout_s - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(left, 0.5)))
+            if not ready and self.start_cancelled.is_set():
+                raise StartCancelled(f"stopped while loading {', '.join(refs[r] for r in pending)}")
+            if not ready and left > 0.5:
+                continue
             if not ready:
                 raise TimeoutError(f"replica(s) {', '.join(refs[r] for r in pending)} not ready after "
                                    f"{ready_timeout_s:g}s (free in the Ray cluster now: "
@@ -385,12 +396,28 @@ async def _serve(cluster: Cluster) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     t0 = time.monotonic()
+    # a signal while starting stops the start where it is (a replica's load may take minutes, or
+    # never end on a cluster that lacks its resources), then stops whatever had started
+    starting = asyncio.ensure_future(cluster.start())
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if not starting.done():
+        print("kvrelay: stopping while starting", flush=True)
+        cluster.start_cancelled.set()
     try:
-        fe = await cluster.start()
+        fe = await starting
+    except StartCancelled:
+        await cluster.stop()
+        return 130  # (as a shell reports a command SIGINT stopped)
     except Exception as e:
         print(f"kvrelay: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         await cluster.stop()
         return 1
+    if stop.is_set():  # the signal came as the start finished
+        print("kvrelay: shutting down", flush=True)
+        await cluster.stop()
+        return 0
     # Joining a Ray cluster installs Ray's failure-signal handler over ours, which turns SIGTERM into an
     # abort (exit -6, no clean stop): take SIGINT and SIGTERM back now that Ray is up.
     for sig in (signal.SIGINT, signal.SIGTERM):

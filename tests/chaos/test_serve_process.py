@@ -2,7 +2,8 @@
 supervisor or the OOM killer would: it leaves no replica process, no Ray
 process and no shared-memory segment behind; and in a Ray cluster it joined
 (as under `ray job submit`), its replicas go with it, and a new `kvrelay
-serve` starts the spec's replicas once: none is duplicated."""
+serve` starts the spec's replicas once: none is duplicated. A signal while it
+starts stops the start at once, with nothing left behind."""
 from __future__ import annotations
 
 import os
@@ -152,3 +153,28 @@ def test_a_new_serve_in_a_joined_cluster_replaces_the_killed_ones_replicas_once(
     finally:
         if second.proc.poll() is None:
             second.proc.kill()
+
+
+def test_a_signal_while_the_replicas_load_stops_the_start_at_once(tmp_path):
+    """SIGINT (Ctrl-C) as soon as the replicas start loading: serve stops there, without first
+    finishing the load and serving, and leaves no replica or Ray process behind."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", str(spec)], env=_env(),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "kvrelay: loading 2 replicas" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()[-3000:]
+        out = log.read_text()
+        assert "kvrelay: stopping while starting" in out and "kvrelay: serving" not in out, out[-3000:]
+        left = _wait_gone(everything, 150)
+        assert not left, [(p.pid, p.name()) for p in left]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
