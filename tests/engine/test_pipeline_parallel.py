@@ -205,6 +205,7 @@ def test_every_sampling_mode_equals_pp1_and_plain_greedy_returns_tokens_only(tmp
     def run(**kw):
         with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, **kw) as llm:
             outs = llm.generate(prompts, modes)
+            assert llm.core.is_idle()  # every block back in the pool
             return [(o.token_ids, o.logprobs) for o in outs]
 
     ref = run()
@@ -352,6 +353,7 @@ def test_expert_load_counts_every_stages_layers(tmp_path, kind):
     def load(**kw):
         with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, **kw) as llm:
             llm.generate(prompts, GREEDY)
+            assert llm.core.is_idle()  # every block back in the pool
             return llm.core.expert_load()
 
     ref, got = load(), load(pipeline_parallel_size=2)
