@@ -61,21 +61,15 @@ def _raise_problems(checks: dict) -> None:
         raise SpecError(problems)
 
 
-_RAY_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
-
-
 def resource_demand(stages: dict) -> dict[str, dict[Stage, float]]:
     """Ray resource -> stage -> what its replicas ask for in all (replicas x ranks x each rank's
-    `resources`), from a launcher's StageConfigs."""
+    bundle, `cluster.tp_ranks.rank_bundle`), from a launcher's StageConfigs."""
+    from cluster.tp_ranks import rank_bundle
+
     demand: dict[str, dict[Stage, float]] = {}
     for stage, sc in stages.items():
-        n = sc.num_replicas * sc.num_ranks
-        opts = sc.ray_options
-        asked = {name: opts.get(key) or 0.0 for key, name in _RAY_NAMES.items()}
-        asked.update(opts.get("resources") or {})
-        for name, amount in asked.items():
-            if amount:
-                demand.setdefault(name, {})[stage] = n * float(amount)
+        for name, amount in rank_bundle(sc.ray_options).items():
+            demand.setdefault(name, {})[stage] = sc.num_replicas * sc.num_ranks * amount
     return demand
 
 
