@@ -329,22 +329,28 @@ void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_
   const int64_t G = H / Hkv;
   const int64_t tok_stride = Hkv * D, kv_stride = BS * Hkv * D, blk_stride = 2 * kv_stride;
   const AttendFn<E> fn = attend_for<E>(D);
-  par_for(B * Hkv, 1, threads, [&](int64_t a, int64_t b) {
+  // Work items are (sequence, KV head) pairs, each query head group reading its
+  // keys and values once; with fewer pairs than two per thread (a single stream:
+  // SmolLM2's 3 KV heads on 2 threads ran 2:1) each query head is its own item
+  // instead. Per head the sums are the same either way, so are the bits.
+  const int64_t Gi = B * Hkv < 2 * threads ? 1 : G;  // query heads per item
+  const int64_t per_kv = G / Gi;
+  par_for(B * Hkv * per_kv, 1, threads, [&](int64_t a, int64_t b) {
     std::vector<float>& qf = scratch(0);
     std::vector<float>& scores = scratch(1);
     std::vector<float>& acc = scratch(2);
-    qf.resize(G * D);
-    acc.resize(G * D);
-    std::vector<V> part(G * kL);
+    qf.resize(Gi * D);
+    acc.resize(Gi * D);
+    std::vector<V> part(Gi * kL);
     for (int64_t j = a; j < b; ++j) {
-      const int64_t s = j / Hkv, hk = j % Hkv, L = lens[s];
-      const E* qs = q + s * qs0 + hk * G * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = f(qs[i]) * scale;
-      scores.resize(G * ((L + kL - 1) / kL * kL));
-      fn(qf.data(), tables + s * maxnb, kv + hk * D, BS, blk_stride, kv_stride, tok_stride, L, G, D, scores.data(),
+      const int64_t s = j / (Hkv * per_kv), hk = j / per_kv % Hkv, h0 = hk * G + j % per_kv * Gi, L = lens[s];
+      const E* qs = q + s * qs0 + h0 * D;
+      for (int64_t i = 0; i < Gi * D; ++i) qf[i] = f(qs[i]) * scale;
+      scores.resize(Gi * ((L + kL - 1) / kL * kL));
+      fn(qf.data(), tables + s * maxnb, kv + hk * D, BS, blk_stride, kv_stride, tok_stride, L, Gi, D, scores.data(),
          acc.data(), part.data());
-      E* os = out + s * os0 + hk * G * D;
-      for (int64_t i = 0; i < G * D; ++i) os[i] = E(acc[i]);
+      E* os = out + s * os0 + h0 * D;
+      for (int64_t i = 0; i < Gi * D; ++i) os[i] = E(acc[i]);
     }
   });
 }

@@ -162,6 +162,37 @@ def test_paged_decode_attention(native):
     _close(native.decode_attention(q, kv, meta, d ** -0.5), _decode_attention(q, kv, meta, d ** -0.5))
 
 
+def test_paged_decode_attention_single_stream_splits_heads_with_the_same_bits(native):
+    """One sequence has fewer (sequence, KV head) pairs than two per thread, so
+    the kernel splits its query heads across the threads instead: each head's
+    output must be bit-equal to what the same sequence gets inside a batch
+    (where each KV head's query group runs together), and close to torch's."""
+    num_blocks, bs, hkv, d, h = 24, 16, 3, 64, 9
+    kv = _rand(num_blocks, 2, bs, hkv, d, seed=16)
+    lens = [150, 33, 70, 5]
+    tables = torch.arange(len(lens) * 10).reshape(len(lens), 10) % num_blocks
+    q = _rand(len(lens), h, d, seed=17)
+
+    def run(rows):
+        t = tables[rows]
+        ls = torch.tensor([lens[r] for r in rows])
+        meta = BatchMetadata(None, None, num_decode=len(rows), decode_block_tables=t, decode_context_lens=ls)
+        meta.decode_mask = (torch.arange(t.shape[1] * bs)[None] < ls[:, None])[:, None, None, :]
+        return native.decode_attention(q[rows], kv, meta, d ** -0.5), _decode_attention(q[rows], kv, meta,
+                                                                                        d ** -0.5)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch, _ = run([0, 1, 2, 3])
+        for r in range(len(lens)):
+            alone, ref = run([r])
+            assert torch.equal(alone[0], batch[r]), f"row {r}: a single stream's heads differ from its batch's"
+            _close(alone, ref)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_default_model_still_answers(default_model_dir, kernel_isa):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
