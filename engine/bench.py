@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", type=_quant_list, default=["none"], metavar="Q[,Q...]",
                    help="weight formats to run, comma-separated: none (--dtype), gguf (the GGUF's own "
                         "blocks), int8; each on every --isa path")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="kvrelay's workloads this many times, every path once per round (interleaved, so "
+                        "the machine's load falls on all alike); the tables give each figure's median and "
+                        "list every round's single-stream figures")
     p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
     p.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --write replaces")
     p.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE, help=argparse.SUPPRESS)
@@ -203,6 +207,23 @@ def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
     read = 3 * big.numel() * big.element_size() / (time.perf_counter() - t0)
     return Breakdown(decode_s / steps * 1e3, spent["forward"] / steps * 1e3, spent["logits"] / steps * 1e3,
                      weight_bytes / 1e6, read / 1e9)
+
+
+def rounds_text(rounds: dict[str, list[Figures]], dtype: str) -> str:
+    """Every round's single-stream decode figure per run (label: "<format> <path>"
+    when several formats ran, else the path), and each quantized run's ratio to
+    the unquantized run on the same ISA path, round by round."""
+    lines = [f"kvrelay's figures above are medians of {len(next(iter(rounds.values())))} interleaved rounds "
+             "(every run once per round). Single-stream decode tokens/s, round by round:", ""]
+    lines += [f"- {n}: " + ", ".join(f"{f.decode_tok_s:.1f}" for f in figs) for n, figs in rounds.items()]
+    for n, figs in rounds.items():
+        fmt, _, path = n.partition(" ")
+        base = f"{dtype} {path}"
+        if path and fmt != dtype and base in rounds:
+            ratios = [f.decode_tok_s / b.decode_tok_s for f, b in zip(figs, rounds[base])]
+            lines.append(f"- {n} / {base}, same round: " + ", ".join(f"{x:.2f}x" for x in ratios)
+                         + f" (median {statistics.median(ratios):.2f}x)")
+    return "\n".join(lines)
 
 
 def breakdown_table(b: Breakdown, label: str = "") -> str:
@@ -466,21 +487,35 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         print(profile(llm, prompt, args.profile))
         return 0
 
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     kvs: dict[str, Figures] = {}
     parts: dict[str, Breakdown] = {}
     paths: dict[str, str] = {}  # label -> the kernel ISA path of its run
-    for i, run in enumerate(runs):
-        llm = llm if i == 0 else make_llm(run)
-        label = isa_label(llm)
-        path = label
-        if args.quantization != ["none"]:
-            label = f"{args.dtype if run[0] == 'none' else run[0]} {label}"
-        paths[label] = path
-        print(f"kvrelay ({model_name}, {label}) ...", file=sys.stderr)
-        kvs[label] = bench_kvrelay(llm, prompt, batch, args.new_tokens)
-        parts[label] = decode_breakdown(llm, prompt, args.new_tokens)
-        assert llm.core.pool.is_fully_free()
-        del llm
+    rounds: dict[str, list[Figures]] = {}
+    llms = {}  # run -> its LLM, kept between rounds (one round: each freed after its run)
+    for r in range(args.rounds):
+        for i, run in enumerate(runs):
+            if run not in llms:
+                llms[run] = llm if i == 0 and r == 0 else make_llm(run)
+            model = llms[run]
+            label = isa_label(model)
+            path = label
+            if args.quantization != ["none"]:
+                label = f"{args.dtype if run[0] == 'none' else run[0]} {label}"
+            paths[label] = path
+            print(f"kvrelay ({model_name}, {label}) round {r + 1}/{args.rounds} ...", file=sys.stderr)
+            rounds.setdefault(label, []).append(bench_kvrelay(model, prompt, batch, args.new_tokens))
+            if r + 1 == args.rounds:
+                parts[label] = decode_breakdown(model, prompt, args.new_tokens)
+            assert model.core.pool.is_fully_free()
+            if args.rounds == 1:
+                del llms[run]
+            del model
+    del llm
+    llms.clear()
+    for label, figs in rounds.items():
+        kvs[label] = Figures(*(statistics.median(getattr(f, n) for f in figs) for n in Figures.__dataclass_fields__))
 
     native = torch_capability()
     print(f"transformers (torch {native}) ...", file=sys.stderr)
@@ -494,6 +529,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
 
     one = len(parts) == 1
     body = "\n\n".join([table(kvs, hfs, args, {n: b.bound_tok_s for n, b in parts.items()}, against)]
+                       + ([rounds_text(rounds, args.dtype)] if args.rounds > 1 else [])
                        + [breakdown_table(b, "" if one else f" ({n})") for n, b in parts.items()])
     print(f"kernel ISA path: {', '.join(kvs)}")
     print(body)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from engine.bench import main, replace_section, torch_capability
 from tests.engine.factories import save_tiny_model
 
@@ -50,3 +52,28 @@ def test_cli_has_bench_engine():
 
     args = build_parser().parse_args(["bench-engine", "--dtype", "float32", "--batch", "4"])
     assert (args.command, args.dtype, args.batch, args.new_tokens) == ("bench-engine", "float32", 4, 128)
+
+
+def test_rounds_interleave_the_runs_and_give_each_rounds_ratio(tmp_path, capsys):
+    """--rounds 2 with two weight formats: every run twice, medians in the table, and
+    every round's single-stream figure and same-round int8 / bf16 ratio listed."""
+    save_tiny_model(tmp_path / "m")
+    args = ["--model", str(tmp_path / "m"), "--dtype", "bfloat16", "--quantization", "none,int8",
+            "--prompt-len", "8", "--new-tokens", "4", "--batch", "2", "--rounds", "2"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "medians of 2 interleaved rounds" in out
+    runs = re.findall(r"^- (bfloat16|int8) (\S+): ([\d.]+), ([\d.]+)$", out, flags=re.M)
+    assert sorted(r[0] for r in runs) == ["bfloat16", "int8"], out
+    (path,) = {r[1] for r in runs}
+    ratio = re.search(rf"^- int8 {path} / bfloat16 {path}, same round: ([\d.]+)x, ([\d.]+)x \(median ([\d.]+)x\)$",
+                      out, flags=re.M)
+    assert ratio, out
+    fig = {r[0]: (float(r[2]), float(r[3])) for r in runs}
+    assert abs(float(ratio.group(1)) - fig["int8"][0] / fig["bfloat16"][0]) < 0.01
+    # the interleaving: round 1 of both runs before round 2 of either
+    order = re.findall(r"kvrelay \(m, (\S+ \S+)\) round (\d)/2", captured.err)
+    assert [r for _, r in order] == ["1", "1", "2", "2"], order
+    with pytest.raises(SystemExit, match="--rounds must be at least 1"):
+        main(args[:-2] + ["--rounds", "0"])
