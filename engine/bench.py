@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -534,7 +535,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     print(f"kernel ISA path: {', '.join(kvs)}")
     print(body)
     if args.write:
-        command = command or "python -m engine.bench " + " ".join(sys.argv[1:])
+        command = command or "python -m engine.bench " + shlex.join(sys.argv[1:])
         write_section(section(body, args, model_name, command.strip(), list(dict.fromkeys(paths.values())),
                               [baseline_label(c) for c in hfs]),
                       args.benchmarks_file)
