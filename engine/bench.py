@@ -494,11 +494,12 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     parts: dict[str, Breakdown] = {}
     paths: dict[str, str] = {}  # label -> the kernel ISA path of its run
     rounds: dict[str, list[Figures]] = {}
-    llms = {}  # run -> its LLM, kept between rounds (one round: each freed after its run)
+    llms = {runs[0]: llm}  # run -> its LLM, kept between rounds (one round: each freed after its run)
+    del llm
     for r in range(args.rounds):
-        for i, run in enumerate(runs):
+        for run in runs:
             if run not in llms:
-                llms[run] = llm if i == 0 and r == 0 else make_llm(run)
+                llms[run] = make_llm(run)
             model = llms[run]
             label = isa_label(model)
             path = label
@@ -513,7 +514,6 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
             if args.rounds == 1:
                 del llms[run]
             del model
-    del llm
     llms.clear()
     for label, figs in rounds.items():
         kvs[label] = Figures(*(statistics.median(getattr(f, n) for f in figs) for n in Figures.__dataclass_fields__))
