@@ -40,11 +40,8 @@ shapes, 16 new tokens) before it is timed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -54,7 +51,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+from engine.benchmarks_md import BENCHMARKS_FILE, cpu_isa_text, provenance, write_section
+
 SECTION = "## Engine"
 WARMUP_TOKENS = 16
 # torch held to AVX2 and FMA, as on a CPU without AVX-512: ATen's vectorized kernels and oneDNN's
@@ -352,36 +350,6 @@ def table(kvs: dict[str, Figures], hfs: dict[str, Figures], args, walls: dict[st
     return "\n".join(lines)
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = f", load average {os.getloadavg()[0]:.1f} when it finished" if hasattr(os, "getloadavg") else ""
-    return (f"`nproc` {os.cpu_count()}, {cpu}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}{load}")
-
-
-def cpu_isa_text() -> str:
-    from engine.kernels import cpu_isas
-
-    return ", ".join(cpu_isas()) or "none of the native kernel ISAs"
-
-
-def provenance(command: str | None = None) -> str:
-    """The lines every benchmark section ends its figures with: the command
-    that produced them (when given), when, and on what machine."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"- Command: `{command.strip()}`"] if command else []
-    return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
-
-
 def section(body: str, args, model_name: str, command: str, isas: list[str], baselines: list[str]) -> str:
     formats = "" if args.quantization == ["none"] else \
         f" (transformers), weights {', '.join('`' + q + '`' for q in args.quantization)} (kvrelay)"
@@ -410,29 +378,6 @@ token: transformers / kvrelay).{avx2}
   threads than cores, torch's spinning intra-op threads slow small steps by up to tens of
   times. Compare ratios from one quiet run, not figures across runs.
 """
-
-
-def write_section(new_section: str, path: Path = BENCHMARKS_FILE) -> None:
-    """Replace (or add) `new_section` in BENCHMARKS.md; see replace_section."""
-    old = path.read_text() if path.is_file() else ""
-    path.write_text(replace_section(old, new_section))
-
-
-def replace_section(text: str, new_section: str) -> str:
-    """`text` with the section named by `new_section`'s first line (a `## `
-    heading; up to the next `## ` heading) replaced by it, or with it appended.
-    Every benchmark script writes its own section of BENCHMARKS.md this way."""
-    new_section = new_section.rstrip("\n") + "\n"
-    heading = new_section.split("\n", 1)[0].strip()
-    m = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.M)
-    if m is None:
-        if not text.strip():
-            return "# Benchmarks\n\n" + new_section
-        return text.rstrip("\n") + "\n\n" + new_section
-    nxt = re.search(r"^## ", text[m.end():], flags=re.M)
-    end = m.end() + nxt.start() if nxt else len(text)
-    rest = text[end:]
-    return text[:m.start()] + new_section + ("\n" + rest if rest else "")
 
 
 # ---- profile -------------------------------------------------------------------

@@ -248,7 +248,7 @@ def spread(values: list[float]) -> str:
 
 def section(args, rows, ratios, overlap, command: str) -> str:
     """The `## KV transfer` section of BENCHMARKS.md for one run."""
-    from engine.bench import provenance
+    from engine.benchmarks_md import provenance
 
     lines = [
         "## KV transfer", "",
@@ -346,7 +346,7 @@ def main(argv=None) -> None:
     text = section(args, rows, ratios, overlap, command.strip())
     print(text)
     if args.write:
-        from engine.bench import write_section
+        from engine.benchmarks_md import write_section
 
         write_section(text)
 

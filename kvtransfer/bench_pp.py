@@ -87,7 +87,7 @@ def _name(pp: int, tp: int) -> str:
 
 
 def section(args, results: dict, command: str) -> str:
-    from engine.bench import provenance
+    from engine.benchmarks_md import provenance
 
     lines = [
         "## Pipeline-parallel KV hand-off", "",
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     text = section(args, results, command.strip())
     print(text)
     if args.write:
-        from engine.bench import write_section
+        from engine.benchmarks_md import write_section
 
         write_section(text)
 

@@ -169,7 +169,7 @@ class Pair:
 
 
 def section(args, copies, seconds, ratios, command: str) -> str:
-    from engine.bench import provenance
+    from engine.benchmarks_md import provenance
 
     lines = [
         "## Heterogeneous TP KV transfer", "",
@@ -242,7 +242,7 @@ def main(argv=None) -> None:
     text = section(args, copies, seconds, ratios, command.strip())
     print(text)
     if args.write:
-        from engine.bench import write_section
+        from engine.benchmarks_md import write_section
 
         write_section(text)
 

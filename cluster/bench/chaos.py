@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     table = report(outcomes, faults, reference, args, per_token, hung, leaked, lost, wall)
     print(table)
     if args.write:
-        from engine.bench import write_section
+        from engine.benchmarks_md import write_section
 
         write_section(table)
     return 0

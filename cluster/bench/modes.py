@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     table = compare_results(a, b)
     print(table)
     if args.write:
-        from engine.bench import provenance, write_section
+        from engine.benchmarks_md import provenance, write_section
 
         cmd = "python -m cluster.bench.modes " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Disaggregated vs colocated\n\nSame 2 CPUs, same model ({args.dtype}), same workload: "

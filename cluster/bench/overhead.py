@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     if args.write:
         import sys
 
-        from engine.bench import provenance, write_section
+        from engine.benchmarks_md import provenance, write_section
 
         cmd = "python -m cluster.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         body = (f"## Cluster overhead\n\nOne chat request (~40 prompt tokens, {args.max_tokens} new tokens, greedy, "

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if args.write:
         import os
 
-        from engine.bench import provenance, write_section
+        from engine.benchmarks_md import provenance, write_section
 
         load = os.getloadavg()
         cmd = "python -m cluster.bench.tp " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(ar, steps, mem, command) + BOUNDS
     print(text)
     if args.write:
-        from engine.bench import BENCHMARKS_FILE, write_section
+        from engine.benchmarks_md import BENCHMARKS_FILE, write_section
 
         write_section(text, BENCHMARKS_FILE)
         print(f"wrote the '{SECTION}' section of {BENCHMARKS_FILE}", file=sys.stderr)

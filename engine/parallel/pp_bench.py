@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
-        from engine.bench import write_section
+        from engine.benchmarks_md import write_section
 
         write_section(text)
         print(f"wrote the '{SECTION}' section", file=sys.stderr)

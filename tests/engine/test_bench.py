@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from engine.bench import main, replace_section, torch_capability
+from engine.bench import main, torch_capability
+from engine.benchmarks_md import replace_section
 from tests.engine.factories import save_tiny_model
 
 NEW = "## Engine\n\nnew table\n"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.bench import replace_section
+from engine.benchmarks_md import replace_section
 from kvtransfer import bench
 
 

@@ -1,0 +1,65 @@
+"""BENCHMARKS.md, as every benchmark script writes it: each owns one `## `
+section and replaces it whole, ending its figures with the same provenance
+lines (the command, when, and on what machine)."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+from pathlib import Path
+
+BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = f", load average {os.getloadavg()[0]:.1f} when it finished" if hasattr(os, "getloadavg") else ""
+    return (f"`nproc` {os.cpu_count()}, {cpu}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}{load}")
+
+
+def cpu_isa_text() -> str:
+    from engine.kernels import cpu_isas
+
+    return ", ".join(cpu_isas()) or "none of the native kernel ISAs"
+
+
+def provenance(command: str | None = None) -> str:
+    """The lines every benchmark section ends its figures with: the command
+    that produced them (when given), when, and on what machine."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"- Command: `{command.strip()}`"] if command else []
+    return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
+
+
+def write_section(new_section: str, path: Path = BENCHMARKS_FILE) -> None:
+    """Replace (or add) `new_section` in BENCHMARKS.md; see replace_section."""
+    old = path.read_text() if path.is_file() else ""
+    path.write_text(replace_section(old, new_section))
+
+
+def replace_section(text: str, new_section: str) -> str:
+    """`text` with the section named by `new_section`'s first line (a `## `
+    heading; up to the next `## ` heading) replaced by it, or with it appended.
+    Every benchmark script writes its own section of BENCHMARKS.md this way."""
+    new_section = new_section.rstrip("\n") + "\n"
+    heading = new_section.split("\n", 1)[0].strip()
+    m = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.M)
+    if m is None:
+        if not text.strip():
+            return "# Benchmarks\n\n" + new_section
+        return text.rstrip("\n") + "\n\n" + new_section
+    nxt = re.search(r"^## ", text[m.end():], flags=re.M)
+    end = m.end() + nxt.start() if nxt else len(text)
+    rest = text[end:]
+    return text[:m.start()] + new_section + ("\n" + rest if rest else "")
