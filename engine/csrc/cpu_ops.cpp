@@ -221,7 +221,16 @@ void attend_one(const float* qf, const int64_t* table, const E* kv, int64_t BS, 
                 int64_t kv_stride, int64_t tok_stride, int64_t L, int64_t G, int64_t D, float* scores, float* acc,
                 V* part) {
   const int64_t Lp = (L + kL - 1) / kL * kL;  // score row stride: whole vectors
-  auto key = [&](int64_t t) { return kv + table[t / BS] * blk_stride + (t % BS) * tok_stride; };
+  // every token's key, walked block by block once: through the table per token, a 64-bit
+  // division each time (three per token and head), it was most of a short context's time
+  thread_local std::vector<const E*> keys;
+  keys.resize(L);
+  for (int64_t b = 0, t = 0; t < L; ++b) {
+    const E* base = kv + table[b] * blk_stride;
+    for (int64_t o = 0; o < BS && t < L; ++o, ++t) keys[t] = base + o * tok_stride;
+  }
+  const E* const* kp = keys.data();
+  auto key = [kp](int64_t t) { return kp[t]; };
   if constexpr (NV > 0) {
     // scores, kL keys at a time: one partial vector per (head, key), then one transposing reduction
     for (int64_t t0 = 0; t0 < L; t0 += kL) {
