@@ -6,20 +6,52 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <exception>
 
 #include "isa.h"
 
 namespace kvrelay {
 
+// fn(a, b) over [0, n) on up to `threads` threads, in chunks of at least `grain`
+// claimed one after another from a shared counter, not split evenly in advance:
+// a decode step runs hundreds of these, each a few microseconds, and with equal
+// shares every one waited for the slower thread (a core shared with another job,
+// a cold cache), which perf showed as a fifth of both threads' time spinning.
+// Which thread runs a chunk never changes what it computes, so the bits are the
+// same. The first exception thrown by fn is rethrown on the caller.
 template <class F>
 inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
   if (n <= 0) return;
-  if (threads <= 1 || n <= grain) {
+  grain = std::max<int64_t>(grain, 1);
+  if (threads <= 1 || n <= grain || at::in_parallel_region()) {
     fn(int64_t{0}, n);
     return;
   }
-  at::parallel_for(0, n, grain, fn);
+  const int64_t nt = std::min<int64_t>(std::min(threads, at::get_num_threads()), (n + grain - 1) / grain);
+  // about four chunks a thread: few enough claims, small enough for the faster thread to take more
+  const int64_t chunk = std::max(grain, n / (4 * nt));
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+#pragma omp parallel  // (no num_threads clause: torch avoids it for GOMP's pool, pytorch#32008)
+  {
+    const int tid = omp_get_thread_num();
+    at::internal::ThreadIdGuard guard(tid);
+    for (int64_t a; tid < nt && !failed.load(std::memory_order_relaxed) && (a = next.fetch_add(chunk)) < n;) {
+      try {
+        fn(a, std::min(n, a + chunk));
+      } catch (...) {
+#pragma omp critical(kvrelay_par_for)
+        if (!failed.exchange(true)) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // y[M, N] = x[M, K] @ W^T, W packed; rows of x and y contiguous; any M.
