@@ -18,6 +18,9 @@
 //   are the decode tiles' (powers of two cancel exactly) and so is the order,
 //   so both ways give the same bits and a token's result does not depend on the
 //   batch it is in.
+// - Each group's sum is two, of even and of odd k, added at its end: twice the
+//   independent FMA chains for one row, whose tile was bound by FMA latency on
+//   one core (the next FMA into a vector waits 4 cycles for the last).
 // - The decode tiles prefetch their codes kAheadWords ahead: at 5 bits a weight a
 //   tile spends so long on each cache line that the hardware prefetcher alone
 //   keeps too few lines in flight (AVX2, SmolLM2's 120 layer matmuls, 1 token:
@@ -99,6 +102,15 @@ inline void zero(V (&a)[MR][NV]) {
   for (int i = 0; i < MR * NV; ++i) a[i / NV][i % NV] = Vec::zero();
 }
 
+// a[0] += a[1]: a group's even-k and odd-k sums, kept apart so that a single row has twice
+// the independent FMA chains (one row on AVX2 had 4, on AVX-512 2: FMA latency, not the
+// memory, bound the tile on one core)
+template <int MR, int NV>
+inline void fold(V (&a)[2][MR][NV]) {
+#pragma GCC unroll 32
+  for (int i = 0; i < MR * NV; ++i) a[0][i / NV][i % NV] = Vec::add(a[0][i / NV][i % NV], a[1][i / NV][i % NV]);
+}
+
 // Rows [0, MR) against block b of W (`cols` valid columns), the codes masked in place in registers.
 // xs: x pre-scaled (prescale_x), row stride K; sx: the rows' group sums, row stride K / group.
 template <class F, int MR>
@@ -107,11 +119,12 @@ void tile_decode(const float* xs, const float* sx, const QuantMatrix& w, int64_t
   constexpr int P = F::kPer, NV = kDecodeNV;
   const int64_t K = w.k, G = w.group, groups = K / G;
   const int32_t* qw = w.q + b * (K / P) * kPackedCols;
-  V tot[MR][NV], acc[MR][NV];
+  V tot[MR][NV], acc[2][MR][NV];  // acc[k % 2]: slot J of a word is k = J (mod 2), P being even
   zero(tot);
   const float* xk = xs;
   for (int64_t g = 0; g < groups; ++g) {
-    zero(acc);
+    zero(acc[0]);
+    zero(acc[1]);
     for (int64_t kw = 0; kw < G / P; ++kw, qw += kPackedCols, xk += P) {
       QVec::I words[NV];
       // a k-word is 128 bytes, two cache lines (past the block's end: the next block, or nothing to fault)
@@ -121,6 +134,7 @@ void tile_decode(const float* xs, const float* sx, const QuantMatrix& w, int64_t
       for (int c = 0; c < NV; ++c) words[c] = QVec::load(qw + c * kL);
       unroll(std::make_integer_sequence<int, P>{}, [&](auto j) {
         constexpr int J = decltype(j)::value;
+        V(&a)[MR][NV] = acc[J % 2];
         V xv[MR];
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) xv[m] = Vec::set1(xk[m * K + J]);
@@ -128,11 +142,12 @@ void tile_decode(const float* xs, const float* sx, const QuantMatrix& w, int64_t
         for (int c = 0; c < NV; ++c) {
           const V wv = QVec::template code_in_place<F::kBits, J>(words[c]);
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) acc[m][c] = Vec::fmadd(wv, xv[m], acc[m][c]);
+          for (int m = 0; m < MR; ++m) a[m][c] = Vec::fmadd(wv, xv[m], a[m][c]);
         }
       });
     }
-    epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols, sx + g, groups, acc, tot);
+    fold(acc);
+    epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols, sx + g, groups, acc[0], tot);
   }
   flush<MR, NV>(tot, y, N, cols);
 }
@@ -157,7 +172,8 @@ const float* widen_block(const QuantMatrix& w, int64_t b) {
   return wf;
 }
 
-// Rows [0, MR) of x (row stride K) against block b widened (wf [K][32]).
+// Rows [0, MR) of x (row stride K) against block b widened (wf [K][32]): the decode
+// tiles' FMAs in their order, even and odd k in two sums.
 template <class F, int MR>
 void tile_wide(const float* x, const float* sx, const float* wf, const QuantMatrix& w, int64_t b, float* y,
                int64_t N, int64_t cols) {
@@ -165,23 +181,25 @@ void tile_wide(const float* x, const float* sx, const float* wf, const QuantMatr
   constexpr int64_t kPass = NV * kL;
   const int64_t K = w.k, G = w.group, groups = K / G;
   for (int64_t h = 0; h * kPass < cols; ++h) {
-    V tot[MR][NV], acc[MR][NV];
+    V tot[MR][NV], acc[2][MR][NV];
     zero(tot);
     const float* wk = wf + h * kPass;
     for (int64_t g = 0, k = 0; g < groups; ++g) {
-      zero(acc);
-      for (const int64_t end = k + G; k < end; ++k, wk += kPackedCols) {
-        V wv[NV];
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) wv[c] = Vec::load(wk + c * kL);
+      zero(acc[0]);
+      zero(acc[1]);
+      for (const int64_t end = k + G; k < end; k += 2, wk += 2 * kPackedCols) {
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
-          const V xv = Vec::set1(x[m * K + k]);
+          const V x0 = Vec::set1(x[m * K + k]), x1 = Vec::set1(x[m * K + k + 1]);
 #pragma GCC unroll 4
-          for (int c = 0; c < NV; ++c) acc[m][c] = Vec::fmadd(wv[c], xv, acc[m][c]);
+          for (int c = 0; c < NV; ++c) {
+            acc[0][m][c] = Vec::fmadd(Vec::load(wk + c * kL), x0, acc[0][m][c]);
+            acc[1][m][c] = Vec::fmadd(Vec::load(wk + kPackedCols + c * kL), x1, acc[1][m][c]);
+          }
         }
       }
-      epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols + h * kPass, sx + g, groups, acc, tot);
+      fold(acc);
+      epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols + h * kPass, sx + g, groups, acc[0], tot);
     }
     flush<MR, NV>(tot, y + h * kPass, N, cols - h * kPass);
   }

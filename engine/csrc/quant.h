@@ -34,7 +34,8 @@ struct QuantMatrix {
 };
 
 // y[M, n] = x[M, k] @ W^T in fp32, W quantized; rows of x and y contiguous; any M.
-// Per group of k: s = sum of code * x (fp32 FMAs, k ascending), then
+// Per group of k: s = sum of code * x (fp32 FMAs, k ascending, even and odd k
+// in two sums added at the group's end), then
 // y = fma(s, scale, y), y = fma(sum of x, min, y), groups in order, whatever M
 // is, so a row's result does not depend on its batch.
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads);
