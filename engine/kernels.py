@@ -341,7 +341,7 @@ class QuantOps(NativeOps):
         from engine.quant import QuantWeight
 
         if isinstance(w, QuantWeight):
-            return w.rows(ids)
+            return self.ext.quant_rows(w.q, w.scales, w.mins, ids, w.n, w.bits)  # = w.rows(ids), natively
         return F.embedding(ids, w)
 
     def fused_decoder(self, model):

@@ -205,6 +205,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                            const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads);
 
+torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& mins,
+                         const torch::Tensor& ids, int64_t n, int64_t bits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
@@ -220,6 +223,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lens"), py::arg("scale"), t, release());
   m.def("linear_quant", &linear_quant, py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("n"),
         py::arg("bits"), t, release());
+  m.def("quant_rows", &quant_rows, py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("ids"), py::arg("n"),
+        py::arg("bits"), release());
   py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
       .def(py::init(&kvrelay::make_bf16_decoder))
       .def("forward", &kvrelay::Bf16Decoder::forward, release());

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -312,5 +313,40 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const
   auto y = torch::empty({xc.size(0), n}, xc.options());
   kvrelay::matmul_quant(xc.data_ptr<float>(), w, y.data_ptr<float>(), xc.size(0),
                         threads > 0 ? static_cast<int>(threads) : at::get_num_threads());
+  return y;
+}
+
+// Rows `ids` of a quantized [n, k] weight, dequantized to fp32 [len(ids), k]: the embedding
+// lookup of a tied, quantized LM head (engine/quant.py QuantWeight.rows is the reference:
+// fma(code, scale, min), one rounding, as torch's addcmul there; for the fp16-scaled GGUF
+// formats the product is exact anyway).
+torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& mins,
+                         const torch::Tensor& ids, int64_t n, int64_t bits) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids must be a 1-D int64 tensor");
+  const auto w = kvrelay::quant_matrix(q, scales, mins, n, 0, bits, "quant_rows");
+  const auto idc = ids.contiguous();
+  const int64_t T = idc.size(0), K = w.k, per = 32 / w.bits, G = w.group, groups = K / G;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < n, "quant_rows: row ", id[t], " is not in [0, ", n, ")");
+  auto y = torch::empty({T, K}, q.options().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  const uint32_t mask = (1u << w.bits) - 1;
+  auto scale = [&](const void* p, int64_t i) {
+    return w.f16 ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = id[t] / kvrelay::kPackedCols, c = id[t] % kvrelay::kPackedCols;
+    const int32_t* qw = w.q + b * (K / per) * kvrelay::kPackedCols + c;
+    float* row = out + t * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
+      const float d = scale(w.scales, at), mn = scale(w.mins, at);
+      for (int64_t k = g * G; k < (g + 1) * G; k += per) {
+        const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
+        for (int64_t j = 0; j < per; ++j) row[k + j] = std::fma(static_cast<float>((word >> (w.bits * j)) & mask), d, mn);
+      }
+    }
+  }
   return y;
 }

@@ -103,6 +103,19 @@ def test_linear_quant_every_row_count(quant_ops, fmt, n, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_native_embedding_lookup_is_the_dequantized_rows(quant_ops, fmt):
+    """The native lookup of a tied quantized LM head's rows (a decode step's embedding) gives
+    exactly QuantWeight.rows' values, for rows in full and padded blocks, repeated ids and none;
+    an id outside the vocabulary is refused by name, not read past the codes."""
+    p = QuantWeight.pack(_rows(fmt, 70, 96, seed=11))
+    ids = torch.tensor([0, 31, 32, 69, 5, 5, 40])
+    assert torch.equal(quant_ops.embedding(ids, p), p.rows(ids))
+    assert quant_ops.embedding(torch.tensor([], dtype=torch.long), p).shape == (0, 96)
+    with pytest.raises(RuntimeError, match=r"row 70 is not in \[0, 70\)"):
+        quant_ops.embedding(torch.tensor([3, 70]), p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m, n, k", [(300, 96, 1536), (700, 65, 576), (130, 2000, 64), (1100, 33, 4096)])
 def test_linear_quant_prefill_sized(quant_ops, fmt, m, n, k):
     """Many rows (prefill; the last in several chunks of rows)."""
