@@ -43,14 +43,12 @@ class ModelRunner:
             ctx = [s.start + 1 for s in decodes]
             nb = [-(-c // bs) for c in ctx]
             max_nb = max(nb)
-            table = torch.zeros((len(decodes), max_nb), dtype=torch.long)
-            for r, s in enumerate(decodes):
-                table[r, : nb[r]] = torch.tensor(s.seq.block_ids[: nb[r]])
-            meta.decode_block_tables = table.to(self.device)
+            # one tensor from padded lists: a decode step's preparation is on every token's path
+            # (the padding mask, which only torch's attention needs, is made there: engine.attention)
+            meta.decode_block_tables = torch.tensor(
+                [s.seq.block_ids[:n] + [0] * (max_nb - n) for s, n in zip(decodes, nb)], dtype=torch.long,
+                device=self.device)
             meta.decode_context_lens = torch.tensor(ctx)
-            if min(ctx) != max_nb * bs:
-                mask = torch.arange(max_nb * bs).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1)
-                meta.decode_mask = mask[:, None, None, :].to(self.device)
         for s in prefills:
             n, start = s.num_new_tokens, s.start
             q0 = len(ids)

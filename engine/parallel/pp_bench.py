@@ -16,7 +16,9 @@ falls on both alike, and the table gives each run's median over the rounds.
    of the two cores' time idle, 1 - T(PP=1) / T(PP=2) (taking PP=1's two threads as perfect
    scaling); the pipeline's own, with n chunks on 2 stages, is 1 / (n + 1).
 3. Decode throughput of 16 streams (32-token prompts), tokens per second after every stream
-   has its first token; PP=2 keeps two batches of 8 in flight.
+   has its first token; PP=2 keeps two batches of 8 in flight. With ``--decode-context N``,
+   also 16 streams of N-token prompts: each step then reads the streams' KV as well as the
+   weights, and the KV, unlike the weights, is read once per step at PP=1 and PP=2 alike.
 """
 from __future__ import annotations
 
@@ -93,6 +95,9 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-split", type=lambda v: [int(n) for n in v.split(",")], default=None,
                     help="also decode at PP=2 with this pipeline_layer_split (e.g. 17,13: fewer layers on the "
                          "last stage, which also runs the LM head)")
+    ap.add_argument("--decode-context", type=int, default=0, metavar="N",
+                    help="also decode 16 streams of N-token prompts at PP=1 (2 threads) and PP=2 (with "
+                         "--decode-split if given)")
     ap.add_argument("--backend", choices=("shm", "gloo"), default="shm",
                     help="PP=2's hand-offs: the shared segment, or gloo point-to-point (engine.parallel.pipe)")
     ap.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
@@ -102,6 +107,7 @@ def main(argv=None) -> None:
     # key: PP=1 on 2 threads (1), PP=2 (2), and as a control PP=1 on 1 thread (0)
     runs: dict[int, list] = {1: [], 2: [], 0: []}
     split_runs: list[float] = []  # PP=2 decode with --decode-split
+    long_runs: dict[int, list[float]] = {1: [], 2: []}  # decode at --decode-context
     threads = torch.get_num_threads()
     for r in range(args.rounds):
         for key in (1, 2, 0):
@@ -115,6 +121,11 @@ def main(argv=None) -> None:
             if key == 2 and args.decode_split:
                 split_runs.append(decode(2, 16, 32, 64, backend, args.decode_split)["tok_s"])
                 print(f"round {r} PP=2 split {args.decode_split}: decode {split_runs[-1]:.1f} tok/s", file=sys.stderr)
+            if key and args.decode_context:
+                long_runs[key].append(decode(pp, 16, args.decode_context, 64, backend,
+                                             args.decode_split if pp > 1 else None)["tok_s"])
+                print(f"round {r} run {key}: decode at {args.decode_context} tokens {long_runs[key][-1]:.1f} tok/s",
+                      file=sys.stderr)
     torch.set_num_threads(threads)
     med = {key: {k: statistics.median(x[k] for x in rs) for k in ("ttft_s", "tok_s")} for key, rs in runs.items()}
     one, two = runs[1][0], runs[2][0]
@@ -137,7 +148,12 @@ def main(argv=None) -> None:
         f"{med[2]['tok_s'] / med[1]['tok_s']:.2f}x |",
         *([f"| decode, 16 streams, PP=2 split {args.decode_split} (tokens/s) | {med[1]['tok_s']:.1f} | "
            f"{statistics.median(split_runs):.1f} | {statistics.median(split_runs) / med[1]['tok_s']:.2f}x |"]
-          if split_runs else []), "",
+          if split_runs else []),
+        *([f"| decode, 16 streams of {args.decode_context}-token prompts"
+           + (f", PP=2 split {args.decode_split}" if args.decode_split else "")
+           + f" (tokens/s) | {statistics.median(long_runs[1]):.1f} | {statistics.median(long_runs[2]):.1f} | "
+           f"{statistics.median(long_runs[2]) / statistics.median(long_runs[1]):.2f}x |"]
+          if args.decode_context else []), "",
         f"Control, PP=1 on 1 thread: TTFT {med[0]['ttft_s']:.2f} s, decode {med[0]['tok_s']:.1f} tokens/s.", "",
         f"Bytes handed from stage 0 to stage 1 per token: measured {two['bytes_per_token']:.0f}; theory "
         f"hidden_size x {one['dtype']} = {one['hidden']} x {itemsize} B = {one['hidden'] * itemsize} "
@@ -151,7 +167,9 @@ def main(argv=None) -> None:
             f"{a['ttft_s']:.2f} / {a['tok_s']:.1f} | {b['ttft_s']:.2f} / {b['tok_s']:.1f} | "
             f"{c['ttft_s']:.2f} / {c['tok_s']:.1f}" for a, b, c in zip(runs[1], runs[2], runs[0]))
         + (f"; PP=2 split {args.decode_split} decode tok/s by round: " + ", ".join(f"{x:.1f}" for x in split_runs)
-           if split_runs else ""), "",
+           if split_runs else "")
+        + (f"; decode at {args.decode_context} tokens, PP=1 | PP=2, by round: " + ", ".join(
+            f"{a:.1f} | {b:.1f}" for a, b in zip(long_runs[1], long_runs[2])) if args.decode_context else ""), "",
         "- Command: `" + " ".join(["python -m engine.parallel.pp_bench", *(argv if argv is not None else sys.argv[1:])])
         + "`",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
