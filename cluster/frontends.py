@@ -13,7 +13,7 @@ from cluster.backend import Backend
 from cluster.grpc_frontend import GrpcFrontend
 from cluster.http_frontend import HttpFrontend
 from cluster.metrics import ServingMetrics
-from cluster.spec import FrontendConfig
+from cluster.configs import FrontendConfig
 
 
 @dataclass

@@ -33,7 +33,7 @@ from cluster.backend import Backend
 from cluster.health import GrpcHealth
 from cluster.metrics import ServingMetrics
 from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
-from cluster.spec import FrontendConfig
+from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            RequestTimeline)
 from cluster.validation import check_model, check_request_id, validate_request

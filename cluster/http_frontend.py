@@ -64,7 +64,7 @@ from cluster.backend import Backend
 from cluster.http_replies import error, failed, failure_body, gather, invalid, raised
 from cluster.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.serving import INCOMPLETE_STREAM, ApiKeys, run_request
-from cluster.spec import FrontendConfig
+from cluster.configs import FrontendConfig
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
 
 log = logging.getLogger(__name__)

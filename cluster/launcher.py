@@ -23,7 +23,8 @@ from cluster.frontends import Frontends, serve_frontends
 from cluster.ray_backend import RayBackend
 from cluster.ray_join import init_ray
 from cluster.router import Router
-from cluster.spec import ClusterConfig, Spec, StageConfig, split_spec
+from cluster.configs import ClusterConfig, StageConfig
+from cluster.spec import Spec, split_spec
 from cluster.spec_errors import SpecError
 from cluster.spec_tp import check_fits_cluster, check_fits_model
 from cluster.types import Stage

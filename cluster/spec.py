@@ -3,8 +3,8 @@
 The spec is validated once, on load; every problem is reported with its path
 (``decode.replicas: must be >= 1``) in one `SpecError` (`cluster.spec_errors`;
 the file's YAML is read by `cluster.spec_yaml`). `split_spec` then cuts
-it into the small configs each component gets, so no component sees the
-whole spec.
+it into the small configs each component gets (`cluster.configs`), so no
+component sees the whole spec.
 
 Example (every field has a default, so ``{}`` is a valid spec)::
 
@@ -20,12 +20,14 @@ Example (every field has a default, so ``{}`` is a valid spec)::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from cluster.configs import (ClusterConfig, FrontendConfig, NetworkConfig, ProfileConfig, StageConfig,
+                             TransferConfig)
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
 from cluster.spec_errors import SpecError, format_errors
@@ -259,7 +261,7 @@ class TransferSpec(_Strict):
                                 f"not {self.backend!r}; remove it")
         return problems
 
-    def transfer_config(self, secret: str | None) -> "TransferConfig":
+    def transfer_config(self, secret: str | None) -> TransferConfig:
         """The senders' and receivers' configs (``secret`` None: the launcher fills it in)."""
         o = self.options
         grpc = GrpcLinkConfig(num_channels=o.num_channels, stream_idle_s=o.stream_idle_s)
@@ -538,109 +540,6 @@ def parse_spec(raw: bytes | str, source: str | None = None) -> Spec:
     if data is not None and not isinstance(data, dict):
         raise SpecError([f"(top level): must be a mapping, got {type(data).__name__}"], source)
     return Spec.from_dict(data, source)
-
-
-# ---- per-component configs ---------------------------------------------------
-
-@dataclass(frozen=True)
-class StageConfig:
-    """What the launcher needs to start one stage's replicas."""
-
-    stage: Stage
-    num_replicas: int
-    tensor_parallel_size: int
-    ray_options: dict[str, Any]  # num_cpus / num_gpus / resources of each worker (each rank)
-    engine: EngineConfig
-    placement_strategy: str = "STRICT_PACK"  # of a tensor-parallel replica's placement group
-    placement_timeout_s: float = 60.0
-    pipeline_parallel_size: int = 1
-    pipeline_layer_split: tuple[int, ...] | None = None
-
-    @property
-    def num_ranks(self) -> int:
-        """Ranks of one replica, rank = pp_rank * tp + tp_rank: its placement group's bundles, one each."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """The config of every prefill replica's KV sender and every decode replica's KV receiver.
-
-    Their secret is None when the spec names no source of it: the launcher then
-    makes one per deployment and fills it in (``with_secret``).
-    """
-
-    sender: SenderConfig
-    receiver: ReceiverConfig
-
-    def with_secret(self, secret: str) -> "TransferConfig":
-        return TransferConfig(replace(self.sender, secret=secret), replace(self.receiver, secret=secret))
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    host: str = "127.0.0.1"
-    grpc_port: int = 0
-    http_port: int | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    api_keys: tuple[str, ...] = ()  # empty: no auth
-    health_interval_s: float = 1.0  # gRPC health follows the replicas' liveness this often
-    replicas: int = 1  # frontend processes (`FrontendSpec.replicas`)
-    reuse_port: bool = False  # share the ports with the deployment's other frontends (SO_REUSEPORT)
-    tool_call_format: str = "auto"  # auto | hermes | llama3 (cluster.tools)
-
-
-@dataclass(frozen=True)
-class NetworkConfig:
-    """Where the request channel and the KV receivers bind (`NetworkSpec`); the launcher applies it.
-
-    ``host`` None: loopback when kvrelay started its own Ray, else the node's
-    own address (each receiver finds its node's where it starts).
-    """
-
-    host: str | None = None
-    channel_ports: tuple[int, int] | None = None  # (first, last); None: any free port
-    kv_ports: tuple[int, int] | None = None
-
-    def receiver_config(self, receiver: ReceiverConfig, is_joined: bool) -> ReceiverConfig:
-        """``receiver`` with this bind address and port range."""
-        host = self.host if self.host is not None else (None if is_joined else "127.0.0.1")
-        first, last = self.kv_ports or (0, None)
-        return replace(receiver, host=host, port=first, port_max=last)
-
-    def channel_bind(self, is_joined: bool, node_address: str) -> tuple[str, str | None, tuple[int, int] | None]:
-        """The request channel's (bind host, advertised host or None, port range or None)."""
-        if self.host is not None:
-            host = self.host
-        else:
-            host = node_address if is_joined else "127.0.0.1"
-        advertise = node_address if host in ("0.0.0.0", "::") else None
-        return host, advertise, self.channel_ports
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    out_dir: str
-    seconds: float
-    delay_s: float = 0.0
-    with_stack: bool = False
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    model: str
-    dtype: str
-    mode: str
-    stages: dict[Stage, StageConfig]
-    transfer: TransferConfig
-    router: RouterConfig
-    frontend: FrontendConfig
-    ray_address: str | None
-    ray_namespace: str
-    profile: ProfileConfig | None = None  # a profiler window at startup
-    health: HealthConfig = HealthConfig()
-    network: NetworkConfig = NetworkConfig()
 
 
 def split_spec(spec: Spec) -> ClusterConfig:

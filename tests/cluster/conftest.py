@@ -17,7 +17,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
 from cluster.grpc_frontend import GrpcFrontend
-from cluster.spec import FrontendConfig
+from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, NoReplicaError,
                            OverloadedError, ProfileTrace, ReplicaStatus, RequestTimeline, Stage, StageMetrics,
                            TokenLogprob)

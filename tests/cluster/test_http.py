@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import KVRelayClient, KVRelayError
 from cluster.frontends import serve_frontends
-from cluster.spec import FrontendConfig
+from cluster.configs import FrontendConfig
 from tests.cluster.conftest import EchoBackend
 
 CHAT = [{"role": "system", "content": "a cat"}, {"role": "user", "content": "hello"}]
