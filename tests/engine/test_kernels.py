@@ -145,6 +145,25 @@ def test_rope_in_place_on_a_strided_view(native):
     _close(qkv[:, :12], ref)  # in place
 
 
+def test_an_error_on_a_worker_thread_reaches_the_caller(native):
+    """A kernel's work is split into chunks that every intra-op thread claims (ops.h par_for);
+    an error raised in one (here rope's scalar path refusing a head of over 512, on both
+    threads at once) comes back to Python as a RuntimeError that names it, and the module
+    runs on afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        qk = _rand(64, 16, 520, seed=8)  # 1024 heads: two chunks of 512, one per thread
+        table = _rand(4, 520, seed=9)
+        with pytest.raises(RuntimeError, match="rope: head_dim > 512"):
+            native.ext.rope_(qk, table, table, torch.zeros(64, dtype=torch.long), threads=2)
+        x = _rand(64, 576, seed=10)
+        ref = native.ext.add_rms_norm(x.clone(), None, torch.ones(576).bfloat16(), 1e-5, threads=1)
+        _close(native.ext.add_rms_norm(x.clone(), None, torch.ones(576).bfloat16(), 1e-5, threads=2), ref, 0, 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_decode_attention(native):
     num_blocks, bs, hkv, d, h = 40, 16, 3, 64, 9
     kv = _rand(num_blocks, 2, bs, hkv, d, seed=6)
