@@ -212,22 +212,25 @@ inline void weigh_values(const float* scores, int64_t Lp, const Key& key, int64_
     for (int d = 0; d < NV; ++d) Vec::store(acc + g * D + kL * d, o[g][d]);
 }
 
-// One (sequence, KV head) pair: G query heads against the sequence's L keys
-// and values, read in place through its block table. NV: fp32 vectors per
-// head (head_dim / kL), a compile-time constant so the head stays in
-// registers; 0 takes the scalar path (any head size).
+// One (sequence, KV head) pair: G query heads against L of the sequence's keys
+// and values from token t_begin on, read in place through its block table.
+// NV: fp32 vectors per head (head_dim / kL), a compile-time constant so the
+// head stays in registers; 0 takes the scalar path (any head size). stats
+// null: acc gets the attention output; else a part of a longer context: acc
+// gets the values weighted by exp(score - max), unnormalized, and stats each
+// head's (max, sum of those weights), for decode_attention_t to merge.
 template <int NV, class E>
 void attend_one(const float* qf, const int64_t* table, const E* kv, int64_t BS, int64_t blk_stride,
-                int64_t kv_stride, int64_t tok_stride, int64_t L, int64_t G, int64_t D, float* scores, float* acc,
-                V* part) {
+                int64_t kv_stride, int64_t tok_stride, int64_t t_begin, int64_t L, int64_t G, int64_t D,
+                float* scores, float* acc, float* stats, V* part) {
   const int64_t Lp = (L + kL - 1) / kL * kL;  // score row stride: whole vectors
   // every token's key, walked block by block once: through the table per token, a 64-bit
   // division each time (three per token and head), it was most of a short context's time
   thread_local std::vector<const E*> keys;
   keys.resize(L);
-  for (int64_t b = 0, t = 0; t < L; ++b) {
+  for (int64_t b = t_begin / BS, o = t_begin % BS, t = 0; t < L; ++b, o = 0) {
     const E* base = kv + table[b] * blk_stride;
-    for (int64_t o = 0; o < BS && t < L; ++o, ++t) keys[t] = base + o * tok_stride;
+    for (; o < BS && t < L; ++o, ++t) keys[t] = base + o * tok_stride;
   }
   const E* const* kp = keys.data();
   auto key = [kp](int64_t t) { return kp[t]; };
@@ -282,6 +285,11 @@ void attend_one(const float* qf, const int64_t* table, const E* kv, int64_t BS, 
       sc[t] = std::exp(sc[t] - mx);
       sum += sc[t];
     }
+    if (stats != nullptr) {  // a part: its weights stay unnormalized
+      stats[2 * g] = mx;
+      stats[2 * g + 1] = sum;
+      continue;
+    }
     const float inv = 1.f / sum;
     for (t = 0; t < L; ++t) sc[t] *= inv;
   }
@@ -331,6 +339,13 @@ AttendFn<E> attend_for(int64_t D) {
   }
 }
 
+// A context longer than this is attended in parts of this many tokens, one work item each,
+// merged in order afterwards (as flash-decoding does): a single long stream then spreads
+// over the threads with each KV head's keys and values read once, where splitting its
+// query heads read them once per head. The parts depend on the length only, so a
+// sequence's bits do not depend on its batch.
+constexpr int64_t kPartTokens = 512;
+
 template <class E>
 void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
                         int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D,
@@ -341,27 +356,75 @@ void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_
   // Work items are (sequence, KV head) pairs, each query head group reading its
   // keys and values once; with fewer pairs than two per thread (a single stream:
   // SmolLM2's 3 KV heads on 2 threads ran 2:1) each query head is its own item
-  // instead. Per head the sums are the same either way, so are the bits.
-  const int64_t Gi = B * Hkv < 2 * threads ? 1 : G;  // query heads per item
-  const int64_t per_kv = G / Gi;
-  par_for(B * Hkv * per_kv, 1, threads, [&](int64_t a, int64_t b) {
+  // instead. Per head the sums are the same either way, so are the bits. A long
+  // context is cut into parts (kPartTokens), one item each.
+  const int64_t Gi = B * Hkv < 2 * threads ? 1 : G;  // query heads per item of a short context
+  struct Item {
+    int64_t s, hk, h0, heads, t0, n, part;  // part: its slot in the partial results, -1 for none
+  };
+  std::vector<Item> items;
+  int64_t parts = 0;
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      const int64_t L = lens[s];
+      if (L <= kPartTokens) {
+        for (int64_t j = 0; j < G / Gi; ++j) items.push_back({s, hk, hk * G + j * Gi, Gi, 0, L, -1});
+      } else {
+        for (int64_t t0 = 0; t0 < L; t0 += kPartTokens)
+          items.push_back({s, hk, hk * G, G, t0, std::min(kPartTokens, L - t0), parts++});
+      }
+    }
+  std::vector<float> part_acc(parts * G * D), part_stats(parts * G * 2);
+  par_for(static_cast<int64_t>(items.size()), 1, threads, [&](int64_t a, int64_t b) {
     std::vector<float>& qf = scratch(0);
     std::vector<float>& scores = scratch(1);
     std::vector<float>& acc = scratch(2);
-    qf.resize(Gi * D);
-    acc.resize(Gi * D);
-    std::vector<V> part(Gi * kL);
+    qf.resize(G * D);
+    acc.resize(G * D);
+    std::vector<V> part(G * kL);
     for (int64_t j = a; j < b; ++j) {
-      const int64_t s = j / (Hkv * per_kv), hk = j / per_kv % Hkv, h0 = hk * G + j % per_kv * Gi, L = lens[s];
-      const E* qs = q + s * qs0 + h0 * D;
-      for (int64_t i = 0; i < Gi * D; ++i) qf[i] = f(qs[i]) * scale;
-      scores.resize(Gi * ((L + kL - 1) / kL * kL));
-      fn(qf.data(), tables + s * maxnb, kv + hk * D, BS, blk_stride, kv_stride, tok_stride, L, Gi, D, scores.data(),
-         acc.data(), part.data());
-      E* os = out + s * os0 + h0 * D;
-      for (int64_t i = 0; i < Gi * D; ++i) os[i] = E(acc[i]);
+      const Item& it = items[j];
+      const E* qs = q + it.s * qs0 + it.h0 * D;
+      for (int64_t i = 0; i < it.heads * D; ++i) qf[i] = f(qs[i]) * scale;
+      scores.resize(it.heads * ((it.n + kL - 1) / kL * kL));
+      float* ac = it.part < 0 ? acc.data() : part_acc.data() + it.part * G * D;
+      float* st = it.part < 0 ? nullptr : part_stats.data() + it.part * G * 2;
+      fn(qf.data(), tables + it.s * maxnb, kv + it.hk * D, BS, blk_stride, kv_stride, tok_stride, it.t0, it.n,
+         it.heads, D, scores.data(), ac, st, part.data());
+      if (it.part < 0) {
+        E* os = out + it.s * os0 + it.h0 * D;
+        for (int64_t i = 0; i < it.heads * D; ++i) os[i] = E(ac[i]);
+      }
     }
   });
+  // each long context's parts, in order: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) s_c
+  std::vector<float> merged(D);
+  for (size_t j = 0; j < items.size();) {
+    const Item& first = items[j];
+    if (first.part < 0) {
+      ++j;
+      continue;
+    }
+    size_t end = j;
+    while (end < items.size() && items[end].s == first.s && items[end].hk == first.hk) ++end;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY;
+      for (size_t c = j; c < end; ++c) m = std::max(m, part_stats[(items[c].part * G + g) * 2]);
+      float sum = 0.f;
+      float* o = merged.data();
+      std::fill(o, o + D, 0.f);
+      for (size_t c = j; c < end; ++c) {
+        const float w = std::exp(part_stats[(items[c].part * G + g) * 2] - m);
+        sum += w * part_stats[(items[c].part * G + g) * 2 + 1];
+        const float* pa = part_acc.data() + (items[c].part * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * pa[d];
+      }
+      const float inv = 1.f / sum;
+      E* os = out + first.s * os0 + (first.h0 + g) * D;
+      for (int64_t d = 0; d < D; ++d) os[d] = E(o[d] * inv);
+    }
+    j = end;
+  }
 }
 
 }  // namespace

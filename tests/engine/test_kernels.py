@@ -181,15 +181,19 @@ def test_paged_decode_attention(native):
     _close(native.decode_attention(q, kv, meta, d ** -0.5), _decode_attention(q, kv, meta, d ** -0.5))
 
 
-def test_paged_decode_attention_single_stream_splits_heads_with_the_same_bits(native):
+@pytest.mark.parametrize("lens", [[150, 33, 70, 5], [1300, 33, 700, 5, 513, 512]],
+                         ids=["short", "long"])
+def test_paged_decode_attention_single_stream_splits_heads_with_the_same_bits(native, lens):
     """One sequence has fewer (sequence, KV head) pairs than two per thread, so
     the kernel splits its query heads across the threads instead: each head's
     output must be bit-equal to what the same sequence gets inside a batch
-    (where each KV head's query group runs together), and close to torch's."""
+    (where each KV head's query group runs together), and close to torch's.
+    A context over 512 tokens is attended in parts of 512 merged afterwards,
+    alone or in a batch alike: the same bits either way, and torch's values."""
     num_blocks, bs, hkv, d, h = 24, 16, 3, 64, 9
     kv = _rand(num_blocks, 2, bs, hkv, d, seed=16)
-    lens = [150, 33, 70, 5]
-    tables = torch.arange(len(lens) * 10).reshape(len(lens), 10) % num_blocks
+    width = -(-max(lens) // bs)
+    tables = torch.arange(len(lens) * width).reshape(len(lens), width) % num_blocks
     q = _rand(len(lens), h, d, seed=17)
 
     def run(rows):
@@ -203,7 +207,8 @@ def test_paged_decode_attention_single_stream_splits_heads_with_the_same_bits(na
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        batch, _ = run([0, 1, 2, 3])
+        batch, ref_batch = run(list(range(len(lens))))
+        _close(batch, ref_batch)
         for r in range(len(lens)):
             alone, ref = run([r])
             assert torch.equal(alone[0], batch[r]), f"row {r}: a single stream's heads differ from its batch's"
