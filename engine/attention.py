@@ -33,7 +33,7 @@ class BatchMetadata:
     num_decode: int = 0  # decode tokens come first in the batch
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor | None = None  # [num_decode]
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool; None: from the lens
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool; None: made from the lens where needed
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -93,11 +93,11 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMetada
     Hkv = k.shape[2]
     qg = q.view(B, Hkv, H // Hkv, D)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, Hkv, G, L]
-    mask = meta.decode_mask
-    if mask is None and int(meta.decode_context_lens.min()) < k.shape[1]:  # padded tables: mask the padding
+    if meta.decode_mask is None and int(meta.decode_context_lens.min()) < k.shape[1]:
+        # padded tables: the padding's mask, made by the step's first layer and kept for the others
         lens = meta.decode_context_lens.to(q.device)
-        mask = (torch.arange(k.shape[1], device=q.device) < lens.unsqueeze(1))[:, None, None, :]
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
+        meta.decode_mask = (torch.arange(k.shape[1], device=q.device) < lens.unsqueeze(1))[:, None, None, :]
+    if meta.decode_mask is not None:
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
     probs = torch.softmax(scores * scale, dim=-1).to(q.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).view(B, H, D)  # [B, Hkv, G, D]
