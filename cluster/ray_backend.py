@@ -24,7 +24,9 @@ moves once, and the choices fork from it on the decode replica
 goes alone, as any request.
 
 Failures: a prefill that fails (or whose replica goes) fails the decode side
-at once, without waiting for the lease; a replica whose channel breaks or
+at once, without waiting for the lease (a prefill replica lost after the
+first token, with the transfer unfinished: `PrefillLost`, which fails it
+on the decode replica unless every layer already landed); a replica whose channel breaks or
 that Ray reports dead ends its requests with an error and is taken out of
 the router. Every path releases the placement and aborts what the request
 holds.
@@ -43,8 +45,8 @@ from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateR
                            OverloadedError, ProfileTrace, RequestTimeline, Stage, StageMetrics, StageTimings)
 from engine.sampling import SamplingParams as EngineSamplingParams
 from engine.serving.channel import ChannelError, ChannelServer
-from engine.serving.frames import (Abort, Attach, FirstToken, Lost, Prefill, PrefillDone, Refused, Reserve, Submit,
-                                   TicketReady)
+from engine.serving.frames import (Abort, Attach, FirstToken, Lost, Prefill, PrefillDone, PrefillLost, Refused, Reserve,
+                                   Submit, TicketReady)
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +246,8 @@ class RayBackend:
                     raise _ReplicaFailure("decode_lost", f"decode replica {decode} died mid-stream")
                 if not has_first:  # the prefill replica went before the first token: the KV will not come
                     raise _ReplicaFailure("prefill_lost", f"prefill replica {prefill} died before the first token")
+                if done is None:  # after it, mid-transfer: the decode replica fails the transfer unless it landed
+                    self._send(decode, PrefillLost(rid, prefill))
                 continue
             else:
                 log.error("request %s: an event of unknown type %s", rid, type(event).__name__)

@@ -13,7 +13,9 @@ Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
    the client (`EngineCore.admit_prefilled`; the detokenizer is primed
    with it), so this replica streams from the second token on. FAILED (peer
    died, lease expired, aborted): the blocks are already freed and the
-   request ends with an error. A guided request joins the batch once its
+   request ends with an error. A `PrefillLost` (the frontend saw the
+   sender's replica go after the first token) fails an unfinished
+   transfer at once rather than at the end of its lease. A guided request joins the batch once its
    grammar (compiled from the `Reserve` on) is ready, its state rebuilt from
    its output so far.                                           [running]
 3. Each step appends a token to every running sequence; one `Deltas` frame
@@ -55,7 +57,7 @@ from engine.core import StepOutput
 from engine.kv_cache import model_fingerprint
 from engine.profiling import RECEIVER_POLL, phase
 from engine.sequence import Sequence
-from engine.serving.frames import Reserve, Submit, TicketReady
+from engine.serving.frames import PrefillLost, Reserve, Submit, TicketReady
 from engine.serving.stage_loop import StageLoop, load_engine
 from engine.serving.types import LoadReport
 from kvtransfer.config import ReceiverConfig
@@ -91,7 +93,8 @@ class DecodeStage(StageLoop):
 
     # ---- frames (loop thread) ----------------------------------------------
     def _handlers(self):
-        return {**super()._handlers(), Submit: self._on_submit, Reserve: self._on_reserve}
+        return {**super()._handlers(), Submit: self._on_submit, Reserve: self._on_reserve,
+                PrefillLost: self._on_prefill_lost}
 
     def _on_submit(self, ch, frame: Submit) -> None:
         if not self._route(ch, frame.request_id):
@@ -170,6 +173,16 @@ class DecodeStage(StageLoop):
             self._waiting.popleft()
             self._incoming[seq.request_id] = seq
             ch.send(TicketReady(seq.request_id, ticket))
+
+    def _on_prefill_lost(self, ch, frame: PrefillLost) -> None:
+        """Its KV's sender is gone: fail the transfer now unless it is DONE (then the next poll admits it).
+        A reservation still waiting for blocks ends too: its ticket never reached the sender."""
+        rid, why = frame.request_id, f"prefill replica {frame.replica_id} was lost"
+        if rid in self._incoming:
+            self.receiver.abort(rid, why)  # the next poll() reports it FAILED, or DONE if it landed whole
+        elif any(w[0].request_id == rid for w in self._waiting):
+            self._release(rid)
+            self.fail_request(rid, f"KV transfer failed: {why}")
 
     def _release(self, request_id: str) -> None:
         if self._incoming.pop(request_id, None) is not None:

@@ -92,13 +92,14 @@ class KVReceiver:
             raise KeyError(f"no transfer for request {request_id!r}")
         self.core.renew(inbound.ticket.transfer_id, lease_s)
 
-    def abort(self, request_id: str) -> None:
-        """Fail the transfer and free its blocks now; poll() reports it FAILED. No-op when unknown."""
+    def abort(self, request_id: str, reason: str = "aborted by receiver") -> None:
+        """Fail the transfer and free its blocks now; poll() reports it FAILED with ``reason``. No-op when
+        unknown, or when it is DONE already (every layer and the commit landed: poll() reports it DONE)."""
         inbound = self.core.ledger.for_request(request_id)
         if inbound is None:
             return
         with inbound.lock:
-            inbound.fail("aborted by receiver")
+            inbound.fail(reason)
             self._free_if_failed(inbound)
 
     def poll(self) -> list[TransferResult]:

@@ -7,6 +7,7 @@ Frontend -> replica (commands), each for one request:
     Reserve(rid, prompt, params)   decode replica: blocks for its KV, answered by a TicketReady
     Attach(rid, ticket)            prefill replica: where to push the prompt's KV
     Abort(rid)                     end it and free what it holds
+    PrefillLost(rid, replica)      decode replica: the prefill replica that was sending the KV is gone
 
 Replica -> frontend (events):
 
@@ -74,7 +75,17 @@ class Abort:
     request_id: str
 
 
-Command = Submit | Prefill | Reserve | Attach | Abort
+@dataclass(frozen=True)
+class PrefillLost:
+    """Decode replica: the prefill replica computing this request's KV went after its first token and
+    before the transfer ended, so no more of the KV will come: unless every layer has landed, the transfer
+    fails now (and the request with it, which the frontend migrates) instead of at the end of its lease."""
+
+    request_id: str
+    replica_id: str
+
+
+Command = Submit | Prefill | Reserve | Attach | Abort | PrefillLost
 
 
 # ---- events (replica -> frontend) ---------------------------------------------

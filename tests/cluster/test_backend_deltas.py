@@ -15,7 +15,7 @@ from cluster.ray_backend import RayBackend, _ReplicaFailure
 from cluster.router import Placement, Router, RouterConfig
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest
 from engine.serving.channel import ChannelClient
-from engine.serving.frames import Attach, FirstToken, Lost, PrefillDone, Refused, TicketReady
+from engine.serving.frames import Attach, FirstToken, Lost, PrefillDone, PrefillLost, Refused, TicketReady
 from engine.serving.types import StageTimings
 
 RID = "r1"
@@ -115,14 +115,30 @@ def test_a_replica_failure_is_handed_back_for_migration_with_its_cause(events, c
     assert all(isinstance(d, GenerateDelta) and not d.is_finished for d in out[:-1])
 
 
-def test_a_prefill_replica_lost_after_the_first_token_changes_nothing():
+def test_a_prefill_replica_lost_mid_transfer_tells_the_decode_replica_and_waits_for_it():
+    """After the first token the decode replica may have the whole KV: it decides (`PrefillLost`)."""
     def script(put, prefill, decode):
         put(FirstToken(delta([7], "a")))
         put(Lost("prefill-0"))
-        put(delta([8], "b", FinishReason.LENGTH))
+        assert decode.command() == PrefillLost(RID, "prefill-0")
+        put(delta([8], "b", FinishReason.LENGTH))  # it had landed: decode streams on
     out = asyncio.run(_run(script))
     assert [d.token_ids for d in out] == [[7], [8]] and out[-1].finish_reason is FinishReason.LENGTH
     assert out[-1].stage_metrics is None  # the prefill replica never reported
+
+
+def test_a_prefill_replica_lost_after_its_transfer_ended_changes_nothing():
+    def script(put, prefill, decode):
+        put(FirstToken(delta([7], "a")))
+        put(done())
+        put(Lost("prefill-0"))
+        put(TicketReady(RID, "late"))  # handled after the Lost: its Attach says the loop is past it
+        assert prefill.command() == Attach(RID, "late")
+        with pytest.raises(queue.Empty):  # nothing went to the decode replica
+            decode.command(timeout_s=0.5)
+        put(delta([8], "b", FinishReason.LENGTH))
+    out = asyncio.run(_run(script))
+    assert [d.token_ids for d in out] == [[7], [8]] and out[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_a_refusal_ends_the_request_with_its_error_and_is_not_migrated():

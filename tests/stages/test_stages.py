@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.guided import GuidedSpec
-from engine.serving.frames import (Abort, Attach, FirstToken, Prefill, PrefillDone, Refused, Reserve, Submit,
-                                   TicketReady)
+from engine.serving.frames import (Abort, Attach, FirstToken, Prefill, PrefillDone, PrefillLost, Refused, Reserve,
+                                   Submit, TicketReady)
 from engine.serving.types import FinishReason
 from kvtransfer.config import ReceiverConfig, SenderConfig
 from prefill.stage import PrefillStage
@@ -207,6 +207,46 @@ def test_decode_abort_as_the_kv_lands_frees_the_blocks(stages):
     done, _ = prefill.until("late", PrefillDone)
     assert done.ok
     assert decode.stream("late")[-1].finish_reason == "abort"
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_lost_sender_fails_an_unfinished_transfer_at_once_not_at_its_lease(stages):
+    """The prefill replica went after its first token, before its KV landed: the decode replica
+    ends the request with an error that names it (the frontend migrates it) and frees the blocks."""
+    prefill, decode = stages
+    p = random_prompts(1, 96, [30], seed=8)[0]
+    decode.send(Reserve("orphan", p, GREEDY))
+    assert isinstance(decode.next("orphan"), TicketReady)
+    t0 = time.monotonic()
+    decode.send(PrefillLost("orphan", "prefill-3"))
+    (delta,) = decode.stream("orphan")
+    assert (delta.finish_reason, delta.error) == (FinishReason.ERROR, "KV transfer failed: prefill replica prefill-3 was lost")
+    assert time.monotonic() - t0 < decode.stage.lease_s / 2  # not the lease's expiry
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_lost_sender_whose_kv_had_landed_changes_nothing(reference, stages):
+    """Its replica went after every layer and the commit landed, before the decode loop polled them."""
+    prefill, decode = stages
+    stage = decode.stage
+    p = random_prompts(1, 96, [30], seed=9)[0]
+    decode.send(Reserve("landed", p, GREEDY))
+    ticket = decode.next("landed")
+
+    def lost_once_landed():  # on the loop thread: the PrefillLost runs before the next poll()
+        deadline = time.monotonic() + 20
+        while stage.receiver.core.ledger.for_request("landed").state.name != "DONE":
+            assert time.monotonic() < deadline, "the transfer never completed"
+            time.sleep(0.001)
+        decode.send(PrefillLost("landed", "prefill-0"))
+
+    prefill.send(Prefill("landed", p, GREEDY))
+    prefill.send(Attach("landed", ticket.ticket))
+    stage.call(lost_once_landed, timeout=30)
+    first, _ = prefill.until("landed", FirstToken)
+    deltas = decode.stream("landed")
+    assert _ids(first, deltas) == reference.generate([p], GREEDY)[0].token_ids
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
     assert wait_free(prefill.stage, decode.stage)
 
 
