@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -171,8 +172,7 @@ def main(argv=None) -> None:
            if split_runs else "")
         + (f"; decode at {args.decode_context} tokens, PP=1 | PP=2, by round: " + ", ".join(
             f"{a:.1f} | {b:.1f}" for a, b in zip(long_runs[1], long_runs[2])) if args.decode_context else ""), "",
-        "- Command: `" + " ".join(["python -m engine.parallel.pp_bench", *(argv if argv is not None else sys.argv[1:])])
-        + "`",
+        "- Command: `python -m engine.parallel.pp_bench " + shlex.join(argv if argv is not None else sys.argv[1:]) + "`",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- Machine: `nproc` {os.cpu_count()}, {cpu}, ISA `{isa}`, torch {torch.__version__}, "
         f"Python {platform.python_version()}, load average {load:.1f} when it finished",
