@@ -2,7 +2,8 @@
 
 The spec is validated once, on load; every problem is reported with its path
 (``decode.replicas: must be >= 1``) in one `SpecError` (`cluster.spec_errors`;
-the file's YAML is read by `cluster.spec_yaml`). `split_spec` then cuts
+the file's YAML is read by `cluster.spec_yaml`; the network, frontend and
+auth sections are `cluster.spec_access`'s). `split_spec` then cuts
 it into the small configs each component gets (`cluster.configs`), so no
 component sees the whole spec.
 
@@ -24,12 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.configs import (ClusterConfig, FrontendConfig, NetworkConfig, ProfileConfig, StageConfig,
                              TransferConfig)
 from cluster.replicas import HealthConfig
 from cluster.router import RouterConfig
+from cluster.spec_access import AuthSpec, FrontendSpec, NetworkSpec
+from cluster.spec_base import Strict
 from cluster.spec_errors import SpecError, format_errors
 from cluster.spec_tp import check_fits_model
 from cluster.spec_yaml import MAX_SPEC_BYTES, read_yaml
@@ -59,12 +62,7 @@ MAX_QUEUE = 1 << 24
 MAX_SEED = (1 << 63) - 1
 
 
-class _Strict(BaseModel):
-    # strict: no bool for an int, no string for a number (YAML reads 1e40 as a string)
-    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
-
-
-class Resources(_Strict):
+class Resources(Strict):
     """Ray resources of one worker process (one per tensor-parallel rank)."""
 
     num_cpus: float = Field(1.0, ge=0, le=MAX_CPUS)
@@ -80,7 +78,7 @@ class Resources(_Strict):
         return v
 
 
-class StageSpec(_Strict):
+class StageSpec(Strict):
     """One stage's replicas and the engine knobs of each replica.
 
     Give ``num_kv_blocks`` or ``kv_cache_memory_gb``, not both; with neither,
@@ -220,7 +218,7 @@ class StageSpec(_Strict):
         )
 
 
-class TransferOptions(_Strict):
+class TransferOptions(Strict):
     """Every knob of the KV transfer; each goes to the senders' or the receivers' config, or both."""
 
     lease_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # reserved blocks whose KV never came are freed after this
@@ -247,7 +245,7 @@ class TransferOptions(_Strict):
 _BACKEND_OPTIONS = {"window": ("grpc", "nccl"), "num_channels": ("grpc",), "stream_idle_s": ("grpc",)}
 
 
-class TransferSpec(_Strict):
+class TransferSpec(Strict):
     backend: Literal["nccl", "grpc", "local"] = "grpc"
     options: TransferOptions = Field(default_factory=TransferOptions)
 
@@ -276,7 +274,7 @@ class TransferSpec(_Strict):
         return TransferConfig(sender, receiver)
 
 
-class RouterSpec(_Strict):
+class RouterSpec(Strict):
     policy: Literal["round_robin", "least_loaded", "power_of_two", "prefix_aware"] = "least_loaded"
     max_queue: int = Field(256, ge=0, le=MAX_QUEUE)  # requests waiting for capacity; 0 refuses at once
     queue_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
@@ -291,7 +289,7 @@ class RouterSpec(_Strict):
     migration_max_tokens: int = Field(8192, ge=0, le=1 << 24)
 
 
-class HealthSpec(_Strict):
+class HealthSpec(Strict):
     """How the frontend watches the replicas and replaces the ones that fail."""
 
     # a replica that does not answer its load poll for this long is taken out
@@ -303,148 +301,7 @@ class HealthSpec(_Strict):
     restart_backoff_s: float = Field(1.0, ge=0, le=600)  # before the n-th replacement: backoff * 2**(n-1)
 
 
-class PortRange(_Strict):
-    """Ports ``first`` to ``last``, both included; each listener takes the first free one."""
-
-    first: int = Field(ge=1, le=65535)
-    last: int = Field(ge=1, le=65535)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "PortRange":
-        if self.last < self.first:
-            raise ValueError(f"last ({self.last}) must be >= first ({self.first})")
-        return self
-
-
-class NetworkSpec(_Strict):
-    """Where the cluster's own listeners bind (not the frontends: see ``frontend``).
-
-    Two kinds, both refusing any peer that does not prove the cluster secret:
-    the request channel (one, in the frontend's process; every replica dials
-    it) and the KV receiver (one per decode replica; prefill replicas dial
-    it). ``host`` None binds loopback when kvrelay starts its own Ray, and
-    the node's own address when joined to a Ray cluster; ``0.0.0.0`` binds
-    every interface. Port ranges let a firewall open exactly these ports;
-    a range must hold one port per listener on a node (e.g. its decode
-    replicas). deploy/README.md says what must be reachable from where.
-    """
-
-    host: str | None = Field(None, min_length=1, max_length=253)
-    channel_ports: PortRange | None = None  # None: any free port
-    kv_ports: PortRange | None = None  # None: any free port
-
-
-class TLSSpec(_Strict):
-    cert_file: str
-    key_file: str
-
-
-class FrontendSpec(_Strict):
-    host: str = Field("127.0.0.1", min_length=1, max_length=253)  # "0.0.0.0": every interface (opt in)
-    grpc_port: int = Field(50051, ge=0, le=65535)  # 0: any free port
-    http_port: int | None = Field(8000, ge=0, le=65535)  # None: no OpenAI HTTP frontend
-    tls: TLSSpec | None = None
-    health_interval_s: float = Field(1.0, gt=0, le=60)  # gRPC health re-checks the replicas this often
-    # Frontend processes for one deployment, each serving gRPC and HTTP with its own router view. 1: the
-    # `kvrelay serve` process serves; N > 1: N frontend actors on the node that runs `kvrelay serve`.
-    replicas: int = Field(1, ge=1, le=64)
-    # N > 1: every frontend on the same two ports (SO_REUSEPORT; the kernel spreads connections), or,
-    # when false, frontend i on grpc_port + i and http_port + i (each scraped and addressed on its own).
-    reuse_port: bool = True
-    # how the model writes tool calls (cluster.tools): auto reads it from the chat template
-    tool_call_format: Literal["auto", "hermes", "llama3"] = "auto"
-
-    @model_validator(mode="after")
-    def _distinct_ports(self) -> "FrontendSpec":
-        if self.http_port is not None and self.http_port == self.grpc_port != 0:
-            raise ValueError(f"grpc_port and http_port must differ (both {self.grpc_port})")
-        if self.replicas > 1 and not self.reuse_port and self.http_port is not None and 0 not in (
-                self.grpc_port, self.http_port):
-            grpc_ports = range(self.grpc_port, self.grpc_port + self.replicas)
-            http_ports = range(self.http_port, self.http_port + self.replicas)
-            if set(grpc_ports) & set(http_ports):
-                raise ValueError(f"with {self.replicas} frontends and reuse_port false, gRPC ports "
-                                 f"{grpc_ports.start}-{grpc_ports.stop - 1} and HTTP ports "
-                                 f"{http_ports.start}-{http_ports.stop - 1} overlap")
-        if self.replicas > 1 and not self.reuse_port and max(self.grpc_port, self.http_port or 0) \
-                + self.replicas - 1 > 65535:
-            raise ValueError(f"{self.replicas} frontends from port {max(self.grpc_port, self.http_port or 0)} "
-                             "run past 65535")
-        return self
-
-
-class AuthSpec(_Strict):
-    """API keys for clients and the secret the KV transfer handshake checks.
-
-    API keys come from at most one source: ``api_keys`` inline, an environment
-    variable holding comma-separated keys, or a file with one key a line
-    (``#`` comments allowed). No keys: the frontends accept every client.
-    The cluster secret comes from an environment variable or a file; with
-    neither, the launcher makes a random one per deployment.
-    """
-
-    api_keys: list[str] = Field(default_factory=list)
-    api_keys_env: str | None = None
-    api_keys_file: str | None = None
-    cluster_secret_env: str | None = None
-    cluster_secret_file: str | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "AuthSpec":
-        sources = [n for n in ("api_keys", "api_keys_env", "api_keys_file") if getattr(self, n)]
-        if len(sources) > 1:
-            raise ValueError(f"give at most one of api_keys, api_keys_env, api_keys_file (got {', '.join(sources)})")
-        if self.cluster_secret_env and self.cluster_secret_file:
-            raise ValueError("give at most one of cluster_secret_env, cluster_secret_file")
-        if any(not k.strip() for k in self.api_keys):
-            raise ValueError("api_keys: keys must be non-empty")
-        return self
-
-    def resolve_api_keys(self) -> list[str]:
-        """The configured API keys (empty: no auth). Raises SpecError naming a missing env var or file."""
-        if self.api_keys:
-            return list(self.api_keys)
-        if self.api_keys_env:
-            raw = _read_env("auth.api_keys_env", self.api_keys_env)
-            keys = [k.strip() for k in raw.split(",") if k.strip()]
-        elif self.api_keys_file:
-            raw = _read_file("auth.api_keys_file", self.api_keys_file)
-            keys = [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-        else:
-            return []
-        if not keys:
-            where = self.api_keys_env or self.api_keys_file
-            raise SpecError([f"auth: no API keys found in {where}"])
-        return keys
-
-    def resolve_cluster_secret(self) -> str | None:
-        """The cluster secret, or None when the spec sets no source."""
-        if self.cluster_secret_env:
-            secret = _read_env("auth.cluster_secret_env", self.cluster_secret_env).strip()
-        elif self.cluster_secret_file:
-            secret = _read_file("auth.cluster_secret_file", self.cluster_secret_file).strip()
-        else:
-            return None
-        if not secret:
-            raise SpecError([f"auth: the cluster secret in {self.cluster_secret_env or self.cluster_secret_file} is empty"])
-        return secret
-
-
-def _read_env(path: str, name: str) -> str:
-    value = os.environ.get(name)
-    if value is None:
-        raise SpecError([f"{path}: environment variable {name} is not set"])
-    return value
-
-
-def _read_file(path: str, filename: str) -> str:
-    try:
-        return Path(filename).expanduser().read_text()
-    except OSError as e:
-        raise SpecError([f"{path}: cannot read {filename}: {e.strerror or e}"]) from None
-
-
-class ProfileSpec(_Strict):
+class ProfileSpec(Strict):
     """A profiler window on every replica once the cluster serves: each writes
     a Chrome trace ``<dir>/<replica>-<time>.json`` on its own host (the paths
     are logged). For windows on demand, use the Profile RPC (`kvrelay profile`)."""
@@ -456,12 +313,12 @@ class ProfileSpec(_Strict):
     with_stack: bool = False  # record Python stacks too (larger traces, slower)
 
 
-class RaySpec(_Strict):
+class RaySpec(Strict):
     address: str | None = None  # None: join the cluster of `ray job submit`, else start a local one
     namespace: str = "kvrelay"
 
 
-class Spec(_Strict):
+class Spec(Strict):
     # a checkpoint folder, a GGUF file, or the default model's name
     model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
