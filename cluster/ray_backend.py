@@ -26,9 +26,9 @@ goes alone, as any request.
 Failures: a prefill that fails (or whose replica goes) fails the decode side
 at once, without waiting for the lease (a prefill replica lost after the
 first token, with the transfer unfinished: `PrefillLost`, which fails it
-on the decode replica unless every layer already landed); a replica whose channel breaks or
-that Ray reports dead ends its requests with an error and is taken out of
-the router. Every path releases the placement and aborts what the request
+on the decode replica unless every layer already landed); a replica whose
+channel breaks or that Ray reports dead ends its requests with an error and
+is taken out of the router. Every path releases the placement and aborts what the request
 holds.
 """
 from __future__ import annotations

@@ -15,9 +15,9 @@ Life-cycle of a request in a decode replica (frames of `engine.serving.frames`):
    died, lease expired, aborted): the blocks are already freed and the
    request ends with an error. A `PrefillLost` (the frontend saw the
    sender's replica go after the first token) fails an unfinished
-   transfer at once rather than at the end of its lease. A guided request joins the batch once its
-   grammar (compiled from the `Reserve` on) is ready, its state rebuilt from
-   its output so far.                                           [running]
+   transfer at once rather than at the end of its lease. A guided
+   request joins the batch once its grammar (compiled from the `Reserve`
+   on) is ready, its state rebuilt from its output so far.     [running]
 3. Each step appends a token to every running sequence; one `Deltas` frame
    per step carries them. Under block pressure the engine preempts the
    newest sequence and re-prefills it here later: never dropped.
@@ -180,7 +180,7 @@ class DecodeStage(StageLoop):
         rid, why = frame.request_id, f"prefill replica {frame.replica_id} was lost"
         if rid in self._incoming:
             self.receiver.abort(rid, why)  # the next poll() reports it FAILED, or DONE if it landed whole
-        elif any(w[0].request_id == rid for w in self._waiting):
+        elif self._is_coming(rid):  # still waiting for blocks
             self._release(rid)
             self.fail_request(rid, f"KV transfer failed: {why}")
 

@@ -183,27 +183,32 @@ def test_the_first_token_comes_with_its_logprobs_before_any_ticket(stages):
     assert wait_free(prefill.stage, decode.stage)
 
 
+def _send_once_landed(decode: Driver, request_id: str, frame) -> None:
+    """Send ``frame`` to the decode stage as soon as the request's transfer is DONE, before the loop
+    polled it: waited for on the loop thread, so no poll() runs in between, and the frame posted there
+    runs right after, before the loop's next round."""
+    stage = decode.stage
+
+    def once_landed():
+        deadline = time.monotonic() + 20
+        while stage.receiver.core.ledger.for_request(request_id).state.name != "DONE":
+            assert time.monotonic() < deadline, "the transfer never completed"
+            time.sleep(0.001)
+        decode.send(frame)
+
+    stage.call(once_landed, timeout=30)
+
+
 def test_decode_abort_as_the_kv_lands_frees_the_blocks(stages):
     """The abort reaches the decode loop after the transfer is DONE but before
     the loop polled it: no sequence waits for it, and the blocks are freed."""
     prefill, decode = stages
-    stage = decode.stage
     p = random_prompts(1, 96, [30], seed=7)[0]
     decode.send(Reserve("late", p, GREEDY))
     ticket = decode.next("late")
-
-    def abort_once_landed():
-        # on the loop thread, so no poll() runs in between: the Abort posted
-        # here runs right after this, before the loop's next round
-        deadline = time.monotonic() + 20
-        while stage.receiver.core.ledger.for_request("late").state.name != "DONE":
-            assert time.monotonic() < deadline, "the transfer never completed"
-            time.sleep(0.001)
-        decode.send(Abort("late"))
-
     prefill.send(Prefill("late", p, GREEDY))
     prefill.send(Attach("late", ticket.ticket))
-    stage.call(abort_once_landed, timeout=30)
+    _send_once_landed(decode, "late", Abort("late"))
     done, _ = prefill.until("late", PrefillDone)
     assert done.ok
     assert decode.stream("late")[-1].finish_reason == "abort"
@@ -220,7 +225,8 @@ def test_a_lost_sender_fails_an_unfinished_transfer_at_once_not_at_its_lease(sta
     t0 = time.monotonic()
     decode.send(PrefillLost("orphan", "prefill-3"))
     (delta,) = decode.stream("orphan")
-    assert (delta.finish_reason, delta.error) == (FinishReason.ERROR, "KV transfer failed: prefill replica prefill-3 was lost")
+    assert (delta.finish_reason, delta.error) == (FinishReason.ERROR,
+                                                  "KV transfer failed: prefill replica prefill-3 was lost")
     assert time.monotonic() - t0 < decode.stage.lease_s / 2  # not the lease's expiry
     assert wait_free(prefill.stage, decode.stage)
 
@@ -228,21 +234,12 @@ def test_a_lost_sender_fails_an_unfinished_transfer_at_once_not_at_its_lease(sta
 def test_a_lost_sender_whose_kv_had_landed_changes_nothing(reference, stages):
     """Its replica went after every layer and the commit landed, before the decode loop polled them."""
     prefill, decode = stages
-    stage = decode.stage
     p = random_prompts(1, 96, [30], seed=9)[0]
     decode.send(Reserve("landed", p, GREEDY))
     ticket = decode.next("landed")
-
-    def lost_once_landed():  # on the loop thread: the PrefillLost runs before the next poll()
-        deadline = time.monotonic() + 20
-        while stage.receiver.core.ledger.for_request("landed").state.name != "DONE":
-            assert time.monotonic() < deadline, "the transfer never completed"
-            time.sleep(0.001)
-        decode.send(PrefillLost("landed", "prefill-0"))
-
     prefill.send(Prefill("landed", p, GREEDY))
     prefill.send(Attach("landed", ticket.ticket))
-    stage.call(lost_once_landed, timeout=30)
+    _send_once_landed(decode, "landed", PrefillLost("landed", "prefill-0"))
     first, _ = prefill.until("landed", FirstToken)
     deltas = decode.stream("landed")
     assert _ids(first, deltas) == reference.generate([p], GREEDY)[0].token_ids
@@ -324,6 +321,25 @@ def test_a_reservation_waits_for_blocks_while_the_pool_is_short(reference, stage
     first, _ = prefill.until("small", FirstToken)
     deltas = decode.stream("small")
     assert _ids(first, deltas) == reference.generate([p], GREEDY)[0].token_ids
+    assert wait_free(prefill.stage, decode.stage)
+
+
+def test_a_lost_sender_ends_a_reservation_still_waiting_for_blocks(stages):
+    prefill, decode = stages
+    big = random_prompts(1, 96, [312], seed=13)[0]  # its KV: 20 of the 64 blocks
+    for rid in ("big", "big-2", "big-3"):  # 4 blocks left
+        decode.send(Reserve(rid, big, GREEDY))
+        assert isinstance(decode.next(rid), TicketReady)
+    decode.send(Reserve("waits", random_prompts(1, 96, [100], seed=14)[0], GREEDY))  # 7 blocks: it waits
+    decode.send(PrefillLost("waits", "prefill-1"))
+    (delta,) = decode.stream("waits")
+    assert (delta.finish_reason, delta.error) == (FinishReason.ERROR,
+                                                  "KV transfer failed: prefill replica prefill-1 was lost")
+    for rid in ("big", "big-2", "big-3"):  # blocks come back: no ticket for it any more
+        decode.send(Abort(rid))
+        assert [d.finish_reason for d in decode.stream(rid)] == [FinishReason.ABORT]
+    time.sleep(0.3)
+    assert decode.channel.inbox("waits").empty()
     assert wait_free(prefill.stage, decode.stage)
 
 
