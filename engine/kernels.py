@@ -55,8 +55,8 @@ class Isa:
 
 # Best first: make_ops picks the first the CPU runs.
 ISAS = (
-    Isa("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
+    Isa("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")),
     Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 )
 ISA_NAMES = tuple(i.name for i in ISAS)

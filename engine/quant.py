@@ -100,8 +100,9 @@ def quantize_int8(w: torch.Tensor) -> QuantRows:
 class QuantWeight:
     """A quantized [n, k] matmul weight in the native kernel's layout
     (engine/csrc/quant.h): q int32 [ceil(n/32), k / per, 32] (the unsigned
-    codes of `per` = 32 / bits consecutive k of one row in a word, lowest bits
-    first; signed bytes are held + 128 with min -128 x scale, which both fp16
+    codes of `per` = 32 / bits consecutive k of one row in a word: bytes in k
+    order, or for 4 bits, byte j holding k = j and k = j + 4 in its low and high
+    nibble; signed bytes are held + 128 with min -128 x scale, which both fp16
     and fp32 hold exactly), scales and mins [ceil(n/32), k / group, 32], padding
     rows zero. W = code * scale + min."""
 
@@ -125,10 +126,10 @@ class QuantWeight:
             codes = (codes.to(torch.int16) + 128).to(torch.uint8)
             mins = rows.scales * -128
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad))  # [blocks * 32, k]
-        if rows.bits == 4:
-            pairs = codes.reshape(-1, k // 2, 2)
-            codes = pairs[..., 0] | (pairs[..., 1] << 4)  # [rows, k / 2]: two k per byte, the first low
-        words = codes.contiguous().view(torch.int32)  # [rows, k / per], little-endian: the first k lowest
+        if rows.bits == 4:  # byte j of a word: k = j in its low nibble, k = j + 4 in its high one
+            halves = codes.reshape(-1, k // 8, 2, 4)
+            codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, k // 2)  # [rows, k / 2]
+        words = codes.contiguous().view(torch.int32)  # [rows, k / per], little-endian
         q = words.reshape(blocks, BLOCK, k // per).transpose(1, 2).contiguous()
 
         def by_block(t):
@@ -148,7 +149,8 @@ class QuantWeight:
         b = q.contiguous().view(torch.uint8)  # [..., k / per * 4]
         if self.bits == 8:
             return b.float()
-        return torch.stack([b & 15, b >> 4], dim=-1).flatten(-2).float()
+        b = b.reshape(*b.shape[:-1], -1, 4)  # [..., k / 8, 4]: a word's bytes
+        return torch.cat([b & 15, b >> 4], dim=-1).flatten(-2).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows W[ids] [len(ids), k] float32 (the embedding lookup of a tied LM head)."""

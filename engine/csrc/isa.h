@@ -3,6 +3,7 @@
 // module per ISA from the same sources, each with its own -m flags):
 //
 //   avx512bf16  -mavx512f -mavx512bw -mavx512vl -mavx512bf16   zmm, vdpbf16ps
+//               -mavx512vnni                                  (quant.h: vpdpbusd)
 //   avx2        -mavx2 -mfma -mf16c                            ymm, bf16 widened in registers, FMA
 //
 // Everything else (cpu_ops.cpp, matmul_bf16.cpp, decode_step.cpp) is written

@@ -1,37 +1,42 @@
 // fp32 matmul on quantized weights (quant.h), for every ISA (isa.h) and every M.
 //
-// y[M, N] = x[M, K] @ W^T with W's codes widened to fp32 in registers and
-// accumulated in fp32 FMAs against fp32 activations; each group's sum is then
-// scaled and its minimum added (y += scale * sum(code * x) + min * sum(x)),
-// which is the matmul of the dequantized weights up to rounding order. Only
-// the quantized bytes are read from memory: Q4_1 is 5 bits a weight (4-bit
-// codes, an fp16 scale and minimum per 32), Q8_0 9, int8 8 (per-row scales).
+// y[M, N] = x[M, K] @ W^T, reading only the quantized bytes: Q4_1 is 5 bits a
+// weight (4-bit codes, an fp16 scale and minimum per 32), Q8_0 9, int8 8
+// (per-row scales).
 //
-// - Up to kDecodeRows rows (decode): one tile per 32-row block of W; each
-//   k-word of the block (32 words, one per output column) is loaded once and
-//   the code of its slot J is the word masked in place (code * 2^(bits J),
-//   exact in fp32), against x[k] * 2^-(bits J), pre-scaled once per call: one
-//   AND, one conversion and one FMA per vector of weights, no shifts.
-// - More rows: each (rows chunk, block) work item first widens its block's
-//   codes into a per-thread fp32 copy ([K][32], in L2), which the chunk's tiles
-//   read as a plain fp32 GEMM, with the same per-group epilogue. The products
-//   are the decode tiles' (powers of two cancel exactly) and so is the order,
-//   so both ways give the same bits and a token's result does not depend on the
-//   batch it is in.
-// - Each group's sum is two, of even and of odd k, added at its end: twice the
-//   independent FMA chains for one row, whose tile was bound by FMA latency on
-//   one core (the next FMA into a vector waits 4 cycles for the last).
-// - The decode tiles prefetch their codes kAheadWords ahead: at 5 bits a weight a
-//   tile spends so long on each cache line that the hardware prefetcher alone
-//   keeps too few lines in flight (AVX2, SmolLM2's 120 layer matmuls, 1 token:
-//   12 -> 16 GB/s on one core, 23 -> 31 GB/s on two; the same on AVX-512).
+// The products are integers. Each 32 k of a row of x (a block of the row) are
+// held as X = round(x * 2^E), E per block, the largest |x| of the block
+// landing at or just under 2^23: 22 to 23 bits of it (fp32 holds 24) and the
+// same absolute step for the rest, so X is off by at most ~2^-22 of the block's
+// largest |x|. X is three signed base-256 digits (X = d2 2^16 + d1 2^8 + d0, each
+// in [-128, 127]), and the sums of code * digit over a block are exact int32,
+// 4 k of one column per lane and instruction (quant.h IVec: vpdpbusd, on AVX2
+// vpmaddubsw), where the fp32 tile this replaces took a mask, a conversion and
+// an FMA per vector of single k (on one Zen 4 core: 15 GB/s of Q4_1 with its
+// codes in cache, bound by instructions). Per block and column, then:
+//
+//   s = fma(float(sum d2), 2^16, float(sum d1 2^8 + d0))   (one rounding)
+//   y = fma(s, scale 2^-E, y), then for 4-bit codes y = fma(sum X 2^-E, min, y)
+//
+// 8-bit codes are held + 128 with min = -128 scale (quant.h): their sums drop
+// 128 x each digit's sum as integers, exactly, and the minimum is not used.
+// The integer sums do not depend on how they were added, and the rest is the
+// same per row whatever the tile, so every batch size, thread count and ISA
+// gives the same bits.
+//
+// - One tile for every M: kRows rows against one 32-column block of W
+//   (AVX-512: the whole block in 2 zmm; AVX2: half of it in 2 ymm, two passes),
+//   each word of codes loaded once and its code planes shared by the rows.
+// - The tiles prefetch their codes kAheadWords ahead: at 5 bits a weight a tile
+//   spends so long on each cache line that the hardware prefetcher alone keeps
+//   too few lines in flight.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -42,225 +47,216 @@ namespace kvrelay {
 namespace {
 
 using V = Vec::T;
+using I = IVec::I;
 constexpr int64_t kL = Vec::kLanes;
-constexpr int kDecodeNV = kPackedCols / kL;  // the decode tile: a whole block per pass (2 zmm, 4 ymm)
-constexpr int kWideNV = 2;                   // the wide tile: 2 vectors per pass (32 columns, 16 on AVX2)
-constexpr int64_t kAheadWords = 512;         // 2 KiB: 16 k-words of a block (the sweep's best of 256-1024)
+constexpr int64_t kBlockK = 32;                            // k of a row of x under one 2^E
+constexpr int kDigits = 3;                                 // base-256 digits of X
+constexpr int kQuads = kBlockK / 4;                        // 4-byte runs of one digit in a block
+constexpr int kBlockInts = kDigits * kQuads;               // a block's digits: [digit][k] bytes, as int32
+constexpr int32_t kXMax = 127 * 65536 + 127 * 256 + 127;  // the largest |X| the digits hold
+constexpr int kNV = 2;                                     // vectors of columns per tile pass
+constexpr int64_t kPass = kNV * kL;                        // 32 columns (AVX2: 16)
+constexpr int64_t kAheadWords = 512;                       // 2 KiB: 16 k-words of a block
 #if defined(__AVX512F__)
-constexpr int kDecodeRows = 4;  // of 32 zmm: 16 sums + 2 words + 2 codes + 1 broadcast + scales
-constexpr int kWideRows = 6;    // 24 sums + 2 weights + 1 broadcast
+template <int BITS>
+constexpr int kRows = 4;  // of 32 zmm: 24 sums, 2 words, 2 code planes
 #else
-constexpr int kDecodeRows = 1;  // of 16 ymm: 8 sums + 4 words + 1 code + 1 broadcast + scales
-constexpr int kWideRows = 3;    // 12 sums + 2 weights + 1 broadcast
+template <int BITS>
+constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6 rows' worth, as two nibbles)
 #endif
+
+// A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum.
+struct XBlock {
+  float p, sxp;
+  int32_t dsum[kDigits];
+};
 
 template <bool F16>
 inline V load_scale(const void* p, int64_t i) {
   if constexpr (F16)
-    return QVec::load_f16(static_cast<const uint16_t*>(p) + i);
+    return IVec::load_f16(static_cast<const uint16_t*>(p) + i);
   else
     return Vec::load(static_cast<const float*>(p) + i);
 }
 
-template <int... J, class F>
-inline void unroll(std::integer_sequence<int, J...>, const F& f) {
-  (f(std::integral_constant<int, J>{}), ...);
+// x [M, K] -> digits [M][blocks][kBlockInts] and XBlock [M][blocks]; blocks past K's end are zero.
+void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb, int threads) {
+  const int64_t blocks = (K + kBlockK - 1) / kBlockK;
+  par_for(M * blocks, 64, threads, [&](int64_t a, int64_t e) {
+    for (int64_t i = a; i < e; ++i) {
+      const int64_t m = i / blocks, k0 = i % blocks * kBlockK, n = std::min(kBlockK, K - k0);
+      alignas(64) float v[kBlockK] = {};
+      std::memcpy(v, x + m * K + k0, n * sizeof(float));
+      int8_t* d = reinterpret_cast<int8_t*>(digits + i * kBlockInts);
+      XBlock& b = xb[i];
+      b = XBlock{0.f, 0.f, {0, 0, 0}};
+      std::memset(d, 0, kBlockInts * sizeof(int32_t));  // (kept where the block is all zero, or not finite)
+      V vmax = Vec::zero(), probe = Vec::zero();
+#pragma GCC unroll 4
+      for (int k = 0; k < kBlockK; k += kL) {
+        const V t = Vec::load(v + k);
+        vmax = Vec::max(vmax, Vec::max(t, Vec::sub(Vec::zero(), t)));
+        probe = Vec::fmadd(t, Vec::zero(), probe);  // NaN where some x is not finite
+      }
+      const float amax = Vec::reduce_max(vmax);
+      if (Vec::reduce_add(probe) != 0.f) {  // an inf or NaN: the block's results are NaN, as fp32's would be
+        b.p = b.sxp = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (amax == 0.f) continue;
+      int e;
+      std::frexp(amax, &e);
+      int E = 23 - e;  // amax 2^E in [2^22, 2^23)
+      if (std::ldexp(static_cast<double>(amax), E) > kXMax) --E;
+      E = std::min(E, 127);  // (blocks under 2^-104 lose bits: they hardly count)
+      const V up = Vec::set1(std::ldexp(1.f, E));
+      const I c128 = IVec::set1(128), c255 = IVec::set1(255);
+      I ds[kDigits] = {IVec::zero(), IVec::zero(), IVec::zero()};
+#pragma GCC unroll 4
+      for (int k = 0; k < kBlockK; k += kL) {
+        const I X = IVec::round(Vec::mul(Vec::load(v + k), up));  // v 2^E is exact: only the rounding
+        const I d0 = IVec::sub(IVec::and_(IVec::add(X, c128), c255), c128), r = IVec::sra8(IVec::sub(X, d0));
+        const I d1 = IVec::sub(IVec::and_(IVec::add(r, c128), c255), c128), d2 = IVec::sra8(IVec::sub(r, d1));
+        IVec::store_bytes(d + k, d0);
+        IVec::store_bytes(d + kBlockK + k, d1);
+        IVec::store_bytes(d + 2 * kBlockK + k, d2);
+        ds[0] = IVec::add(ds[0], d0), ds[1] = IVec::add(ds[1], d1), ds[2] = IVec::add(ds[2], d2);
+      }
+      for (int j = 0; j < kDigits; ++j) b.dsum[j] = static_cast<int32_t>(Vec::reduce_add(IVec::to_float(ds[j])));
+      const int32_t sx = b.dsum[2] * 65536 + b.dsum[1] * 256 + b.dsum[0];  // the sum of X, exactly
+      b.p = std::ldexp(1.f, -E);
+      b.sxp = static_cast<float>(sx) * b.p;
+    }
+  });
+}
+
+#define KVRELAY_INLINE inline __attribute__((always_inline))
+
+// acc[m][d][c] += codes[c] . (digit d of run q of row m), for one plane of codes (4 k per lane)
+template <int MR, int NV>
+KVRELAY_INLINE void dot_plane(I (&acc)[MR][kDigits][NV], const I (&codes)[NV], const int32_t* xd, int64_t stride,
+                              int q) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+    for (int d = 0; d < kDigits; ++d) {
+      const int32_t s = xd[m * stride + d * kQuads + q];
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[m][d][c] = IVec::dot(acc[m][d][c], codes[c], s);
+    }
+}
+
+template <int MR, int NV>
+KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
+#pragma GCC unroll 32
+  for (int i = 0; i < MR * kDigits * NV; ++i) acc[i / (kDigits * NV)][i / NV % kDigits][i % NV] = IVec::zero();
+}
+
+// Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
+// columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
+template <int BITS, bool F16, int MR>
+void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w, int64_t b, int64_t h,
+          float* y, int64_t N, int64_t cols) {
+  constexpr int P = 32 / BITS;                               // codes per word
+  constexpr int kWords = kBlockK / P;                        // words of a column per block of k
+  constexpr bool kNibbles = BITS == 8 && !IVec::kByteCodes;  // 8-bit codes summed as low and high nibbles
+  const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
+  // blocks of k per group of scales (a multiple of 32, or the whole row: quant_matrix checks)
+  const int64_t per_group = groups == 1 ? blocks : w.group / kBlockK;
+  const int32_t* qw = w.q + b * (K / P) * kPackedCols + h;
+  V tot[MR][kNV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR * kNV; ++i) tot[i / kNV][i % kNV] = Vec::zero();
+  for (int64_t blk = 0, g = 0, in_group = 0; blk < blocks; ++blk) {
+    I acc[MR][kDigits][kNV], hacc[kNibbles ? MR : 1][kDigits][kNV];  // hacc: the high nibbles' sums
+    zero(acc);
+    if constexpr (kNibbles) zero(hacc);
+    const int32_t* xd = digits + blk * kBlockInts;
+    const int nw = static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
+    for (int wi = 0; wi < nw; ++wi, qw += kPackedCols) {
+      // a k-word is 128 bytes, two cache lines (past the block's end: the next block, or nothing to fault)
+      _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords), _MM_HINT_T0);
+      if constexpr (kPass * 4 > 64) _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords + 16), _MM_HINT_T0);
+      I words[kNV];
+#pragma GCC unroll 4
+      for (int c = 0; c < kNV; ++c) words[c] = IVec::load(qw + c * kL);
+      if constexpr (BITS == 8 && IVec::kByteCodes) {
+        dot_plane<MR, kNV>(acc, words, xd, stride, wi);
+      } else {
+        I lo[kNV], hi[kNV];
+#pragma GCC unroll 4
+        for (int c = 0; c < kNV; ++c) lo[c] = IVec::low_nibbles(words[c]), hi[c] = IVec::high_nibbles(words[c]);
+        if constexpr (BITS == 4) {  // k 8 wi + [0, 4) low, + [4, 8) high
+          dot_plane<MR, kNV>(acc, lo, xd, stride, 2 * wi);
+          dot_plane<MR, kNV>(acc, hi, xd, stride, 2 * wi + 1);
+        } else {  // code = low + 16 high, the same k
+          dot_plane<MR, kNV>(acc, lo, xd, stride, wi);
+          dot_plane<MR, kNV>(hacc, hi, xd, stride, wi);
+        }
+      }
+    }
+    qw += (kWords - nw) * kPackedCols;
+    const int64_t at = (b * groups + g) * kPackedCols + h;
+    if (++in_group == per_group) ++g, in_group = 0;
+#pragma GCC unroll 4
+    for (int c = 0; c < kNV; ++c) {
+      const V d = load_scale<F16>(w.scales, at + c * kL);
+      const V mn = BITS == 4 ? load_scale<F16>(w.mins, at + c * kL) : Vec::zero();
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const XBlock& xm = xb[m * blocks + blk];
+        I s[kDigits];
+#pragma GCC unroll 3
+        for (int j = 0; j < kDigits; ++j) {
+          s[j] = IVec::finish(acc[m][j][c]);
+          if constexpr (kNibbles) s[j] = IVec::add(s[j], IVec::template shl<4>(IVec::finish(hacc[m][j][c])));
+          if constexpr (BITS == 8) s[j] = IVec::sub(s[j], IVec::set1(128 * xm.dsum[j]));
+        }
+        const V sum = Vec::fmadd(IVec::to_float(s[2]), Vec::set1(65536.f),
+                                 IVec::to_float(IVec::add(IVec::template shl<8>(s[1]), s[0])));
+        tot[m][c] = Vec::fmadd(sum, Vec::mul(d, Vec::set1(xm.p)), tot[m][c]);
+        if constexpr (BITS == 4) tot[m][c] = Vec::fmadd(Vec::set1(xm.sxp), mn, tot[m][c]);
+      }
+    }
+  }
+  alignas(64) float res[MR][kPass];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR * kNV; ++i) Vec::store(res[i / kNV] + kL * (i % kNV), tot[i / kNV][i % kNV]);
+  const int64_t n = std::min<int64_t>(cols - h, kPass);
+  for (int m = 0; m < MR; ++m) std::memcpy(y + m * N + h, res[m], n * sizeof(float));
 }
 
 template <int BITS, bool F16>
-struct Fmt {
-  static constexpr int kBits = BITS, kPer = 32 / BITS;  // codes per 32-bit word
-  static constexpr bool kF16 = F16;
-};
-
-// tot[m][c] += acc[m][c] * scale + sx[m] * min, for NV vectors of columns starting at column `at` of the
-// scales/mins row of (block, group).
-template <class F, int MR, int NV>
-inline void epilogue(const QuantMatrix& w, int64_t at, const float* sx, int64_t sx_stride, const V (&acc)[MR][NV],
-                     V (&tot)[MR][NV]) {
-#pragma GCC unroll 4
-  for (int c = 0; c < NV; ++c) {
-    const V d = load_scale<F::kF16>(w.scales, at + c * kL), mn = load_scale<F::kF16>(w.mins, at + c * kL);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-      tot[m][c] = Vec::fmadd(Vec::set1(sx[m * sx_stride]), mn, Vec::fmadd(acc[m][c], d, tot[m][c]));
-  }
-}
-
-// The first n columns of tot's rows [0, MR) into y (row stride N).
-template <int MR, int NV>
-inline void flush(const V (&tot)[MR][NV], float* y, int64_t N, int64_t n) {
-  alignas(64) float res[MR][NV * kL];
-#pragma GCC unroll 32
-  for (int i = 0; i < MR * NV; ++i) Vec::store(res[i / NV] + kL * (i % NV), tot[i / NV][i % NV]);
-  n = std::min<int64_t>(n, NV * kL);
-  for (int m = 0; m < MR; ++m) std::memcpy(y + m * N, res[m], n * sizeof(float));
-}
-
-template <int MR, int NV>
-inline void zero(V (&a)[MR][NV]) {
-#pragma GCC unroll 32
-  for (int i = 0; i < MR * NV; ++i) a[i / NV][i % NV] = Vec::zero();
-}
-
-// a[0] += a[1]: a group's even-k and odd-k sums, kept apart so that a single row has twice
-// the independent FMA chains (one row on AVX2 had 4, on AVX-512 2: FMA latency, not the
-// memory, bound the tile on one core)
-template <int MR, int NV>
-inline void fold(V (&a)[2][MR][NV]) {
-#pragma GCC unroll 32
-  for (int i = 0; i < MR * NV; ++i) a[0][i / NV][i % NV] = Vec::add(a[0][i / NV][i % NV], a[1][i / NV][i % NV]);
-}
-
-// Rows [0, MR) against block b of W (`cols` valid columns), the codes masked in place in registers.
-// xs: x pre-scaled (prescale_x), row stride K; sx: the rows' group sums, row stride K / group.
-template <class F, int MR>
-void tile_decode(const float* xs, const float* sx, const QuantMatrix& w, int64_t b, float* y, int64_t N,
-                 int64_t cols) {
-  constexpr int P = F::kPer, NV = kDecodeNV;
-  const int64_t K = w.k, G = w.group, groups = K / G;
-  const int32_t* qw = w.q + b * (K / P) * kPackedCols;
-  V tot[MR][NV], acc[2][MR][NV];  // acc[k % 2]: slot J of a word is k = J (mod 2), P being even
-  zero(tot);
-  const float* xk = xs;
-  for (int64_t g = 0; g < groups; ++g) {
-    zero(acc[0]);
-    zero(acc[1]);
-    for (int64_t kw = 0; kw < G / P; ++kw, qw += kPackedCols, xk += P) {
-      QVec::I words[NV];
-      // a k-word is 128 bytes, two cache lines (past the block's end: the next block, or nothing to fault)
-      _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords + 16), _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) words[c] = QVec::load(qw + c * kL);
-      unroll(std::make_integer_sequence<int, P>{}, [&](auto j) {
-        constexpr int J = decltype(j)::value;
-        V(&a)[MR][NV] = acc[J % 2];
-        V xv[MR];
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) xv[m] = Vec::set1(xk[m * K + J]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) {
-          const V wv = QVec::template code_in_place<F::kBits, J>(words[c]);
-#pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) a[m][c] = Vec::fmadd(wv, xv[m], a[m][c]);
-        }
-      });
-    }
-    fold(acc);
-    epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols, sx + g, groups, acc[0], tot);
-  }
-  flush<MR, NV>(tot, y, N, cols);
-}
-
-// Block b of W's codes, as fp32, into this thread's copy [K][32].
-template <class F>
-const float* widen_block(const QuantMatrix& w, int64_t b) {
-  constexpr int P = F::kPer;
-  thread_local std::vector<float> buf;
-  const int64_t K = w.k;
-  buf.resize(K * kPackedCols);
-  float* wf = buf.data();
-  const int32_t* qw = w.q + b * (K / P) * kPackedCols;
-  for (int64_t kw = 0; kw < K / P; ++kw, qw += kPackedCols)
-    for (int64_t c = 0; c < kPackedCols / kL; ++c) {
-      const QVec::I words = QVec::load(qw + c * kL);
-      unroll(std::make_integer_sequence<int, P>{}, [&](auto j) {
-        constexpr int J = decltype(j)::value;
-        Vec::store(wf + (kw * P + J) * kPackedCols + c * kL, QVec::template code<F::kBits, J>(words));
-      });
-    }
-  return wf;
-}
-
-// Rows [0, MR) of x (row stride K) against block b widened (wf [K][32]): the decode
-// tiles' FMAs in their order, even and odd k in two sums.
-template <class F, int MR>
-void tile_wide(const float* x, const float* sx, const float* wf, const QuantMatrix& w, int64_t b, float* y,
-               int64_t N, int64_t cols) {
-  constexpr int NV = kWideNV;
-  constexpr int64_t kPass = NV * kL;
-  const int64_t K = w.k, G = w.group, groups = K / G;
-  for (int64_t h = 0; h * kPass < cols; ++h) {
-    V tot[MR][NV], acc[2][MR][NV];
-    zero(tot);
-    const float* wk = wf + h * kPass;
-    for (int64_t g = 0, k = 0; g < groups; ++g) {
-      zero(acc[0]);
-      zero(acc[1]);
-      for (const int64_t end = k + G; k < end; k += 2, wk += 2 * kPackedCols) {
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const V x0 = Vec::set1(x[m * K + k]), x1 = Vec::set1(x[m * K + k + 1]);
-#pragma GCC unroll 4
-          for (int c = 0; c < NV; ++c) {
-            acc[0][m][c] = Vec::fmadd(Vec::load(wk + c * kL), x0, acc[0][m][c]);
-            acc[1][m][c] = Vec::fmadd(Vec::load(wk + kPackedCols + c * kL), x1, acc[1][m][c]);
-          }
-        }
-      }
-      fold(acc);
-      epilogue<F, MR, NV>(w, (b * groups + g) * kPackedCols + h * kPass, sx + g, groups, acc[0], tot);
-    }
-    flush<MR, NV>(tot, y + h * kPass, N, cols - h * kPass);
-  }
-}
-
-template <class F>
-using DecodeFn = void (*)(const float*, const float*, const QuantMatrix&, int64_t, float*, int64_t, int64_t);
-template <class F>
-using WideFn = void (*)(const float*, const float*, const float*, const QuantMatrix&, int64_t, float*, int64_t,
+using TileFn = void (*)(const int32_t*, const XBlock*, int64_t, const QuantMatrix&, int64_t, int64_t, float*, int64_t,
                         int64_t);
 
-template <class F, int... R>
-constexpr std::array<DecodeFn<F>, sizeof...(R) + 1> decode_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile_decode<F, R + 1>...};
-}
-template <class F, int... R>
-constexpr std::array<WideFn<F>, sizeof...(R) + 1> wide_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile_wide<F, R + 1>...};
+template <int BITS, bool F16, int... R>
+constexpr std::array<TileFn<BITS, F16>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &tile<BITS, F16, R + 1>...};
 }
 
-template <class F>
+template <int BITS, bool F16>
 void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
-  constexpr int P = F::kPer;
-  const int64_t N = w.n, K = w.k, G = w.group, groups = K / G, blocks = (N + kPackedCols - 1) / kPackedCols;
-  // each row's group sums, in one fixed order whatever M is
-  std::vector<float> sx(M * groups);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += x[m * K + k];
-      sx[m * groups + g] = s;
-    }
-  if (M <= kDecodeRows) {
-    // x[k] * 2^-(bits J), J = k % per: what the in-place codes of slot J multiply
-    std::vector<float> xs(M * K);
-    float scale[P];
-    for (int j = 0; j < P; ++j) scale[j] = j == P - 1 ? 1.f : 1.f / static_cast<float>(1u << (F::kBits * j));
-    for (int64_t i = 0; i < M * K; ++i) xs[i] = x[i] * scale[i % K % P];
-    static constexpr auto table = decode_table<F>(std::make_integer_sequence<int, kDecodeRows>{});
-    par_for(blocks, 2, threads, [&](int64_t a, int64_t e) {
-      for (int64_t b = a; b < e; ++b)
-        table[M](xs.data(), sx.data(), w, b, y + b * kPackedCols, N, std::min(kPackedCols, N - b * kPackedCols));
-    });
-    return;
-  }
-  static constexpr auto table = wide_table<F>(std::make_integer_sequence<int, kWideRows>{});
-  // chunks of up to ~2 MiB of activations (L3), a block widened once per chunk
-  const int64_t cap = std::max<int64_t>(kWideRows, (2 << 20) / (4 * K) / kWideRows * kWideRows);
+  constexpr int R = kRows<BITS>;
+  static constexpr auto table = tile_table<BITS, F16>(std::make_integer_sequence<int, R>{});
+  const int64_t N = w.n, K = w.k, blocks = (K + kBlockK - 1) / kBlockK;
+  const int64_t wblocks = (N + kPackedCols - 1) / kPackedCols, stride = blocks * kBlockInts;
+  std::vector<int32_t> digits(M * stride);
+  std::vector<XBlock> xb(M * blocks);
+  to_digits(x, M, K, digits.data(), xb.data(), threads);
+  // chunks of rows whose digits stay in L2 (~256 KiB) while every block of W passes them
+  const int64_t cap = std::max<int64_t>(R, (256 << 10) / (4 * stride + 20 * blocks) / R * R);
   const int64_t chunks = (M + cap - 1) / cap, chunk_rows = (M + chunks - 1) / chunks;
-  par_for(chunks * blocks, 1, threads, [&](int64_t a, int64_t e) {
+  par_for(chunks * wblocks, M <= R ? 2 : 1, threads, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
-      const int64_t c = i / blocks, b = i % blocks;
-      const int64_t m0 = c * chunk_rows, R = std::min(M, m0 + chunk_rows) - m0;
-      const float* wf = widen_block<F>(w, b);
-      const int64_t tiles = (R + kWideRows - 1) / kWideRows, cols = std::min(kPackedCols, N - b * kPackedCols);
-      for (int64_t t = 0, m = m0; t < tiles; ++t) {
-        const int64_t r = R / tiles + (t < R % tiles);
-        table[r](x + m * K, sx.data() + m * groups, wf, w, b, y + m * N + b * kPackedCols, N, cols);
-        m += r;
-      }
+      const int64_t c = i / wblocks, b = i % wblocks, m0 = c * chunk_rows, rows = std::min(M, m0 + chunk_rows) - m0;
+      const int64_t cols = std::min(kPackedCols, N - b * kPackedCols);
+      for (int64_t h = 0; h < cols; h += kPass)
+        for (int64_t m = m0; m < m0 + rows; m += R) {
+          const int64_t r = std::min<int64_t>(R, m0 + rows - m);
+          table[r](digits.data() + m * stride, xb.data() + m * blocks, stride, w, b, h, y + m * N + b * kPackedCols,
+                   N, cols);
+        }
     }
   });
 }
@@ -270,11 +266,11 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   if (M <= 0) return;
   if (w.bits == 4 && w.f16)
-    matmul_fmt<Fmt<4, true>>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
+    matmul_fmt<4, true>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
   else if (w.bits == 8 && w.f16)
-    matmul_fmt<Fmt<8, true>>(x, w, y, M, threads);  // Q8_0
+    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0
   else if (w.bits == 8)
-    matmul_fmt<Fmt<8, false>>(x, w, y, M, threads);  // int8, one fp32 scale per row
+    matmul_fmt<8, false>(x, w, y, M, threads);  // int8, one fp32 scale per row
   else
     TORCH_CHECK(false, "matmul_quant: no kernel for ", w.bits, "-bit codes with ", w.f16 ? "fp16" : "fp32",
                 " scales");
@@ -294,6 +290,8 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
                   scales.size(0) == blocks && scales.size(1) > 0 && k % scales.size(1) == 0 &&
                   (k / scales.size(1)) % per == 0 && scales.size(2) == kPackedCols,
               what, ": scales of shape ", scales.sizes(), " do not fit codes of shape ", q.sizes());
+  TORCH_CHECK(k / scales.size(1) % 32 == 0 || scales.size(1) == 1, what, ": a group of ", k / scales.size(1),
+              " k is neither a multiple of 32 nor the whole row");
   TORCH_CHECK(mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
                   mins.sizes() == scales.sizes(),
               what, ": minimums must have the scales' type and shape");
@@ -344,7 +342,10 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
       const float d = scale(w.scales, at), mn = scale(w.mins, at);
       for (int64_t k = g * G; k < (g + 1) * G; k += per) {
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
-        for (int64_t j = 0; j < per; ++j) row[k + j] = std::fma(static_cast<float>((word >> (w.bits * j)) & mask), d, mn);
+        for (int64_t j = 0; j < per; ++j) {
+          const int shift = w.bits == 8 ? 8 * j : 8 * (j & 3) + 4 * (j >> 2);  // (quant.h: a word's layout)
+          row[k + j] = std::fma(static_cast<float>((word >> shift) & mask), d, mn);
+        }
       }
     }
   }

@@ -1,20 +1,21 @@
 // Quantized matmul weights kept quantized (engine/quant.py QuantWeight), and
-// the per-ISA integer steps that widen them to fp32 in registers
+// the per-ISA integer dot products that multiply their codes in registers
 // (matmul_quant.cpp).
 //
 // W [n, k] is held in blocks of 32 output rows, like the bf16 packing
 // (isa.h kPackedCols), with the codes of `per` = 32 / bits consecutive k of one
 // row in one 32-bit word, lowest bits first:
 //
-//   q[b][k / per][c]          bits [bits * (k % per), bits * (k % per + 1)) hold W's code at (32 b + c, k)
+//   q[b][k / per][c]          W's codes at (32 b + c, k) for per consecutive k: 8 bits, byte k % per;
+//                             4 bits, byte j = k % 4 of the word, k % 8 = j in its low nibble, j + 4 its high
 //   scales[b][k / group][c]   fp16 (a GGUF's own) or fp32 (int8 made at load)
 //   mins[b][k / group][c]     the same type
 //
 // so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits; the
 // signed bytes of Q8_0 and int8 are held + 128, with min = -128 scale, exact).
-// A k-word of a block is 32 words = 128 bytes, read as Vec-sized runs of
-// columns; the code of k is one mask (or shift) away, for all lanes at once,
-// with no shuffles.
+// A k-word of a block is 32 words = 128 bytes, read as vector-sized runs of
+// columns; a word's codes are bytes as they are (8 bits) or one mask (and a
+// shift) away (4 bits), for all lanes at once, with no shuffles.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -34,10 +35,11 @@ struct QuantMatrix {
 };
 
 // y[M, n] = x[M, k] @ W^T in fp32, W quantized; rows of x and y contiguous; any M.
-// Per group of k: s = sum of code * x (fp32 FMAs, k ascending, even and odd k
-// in two sums added at the group's end), then
-// y = fma(s, scale, y), y = fma(sum of x, min, y), groups in order, whatever M
-// is, so a row's result does not depend on its batch.
+// Each 32 k of a row of x are held as integers X = x * 2^E (E per row and 32 k,
+// the largest |x| just under 2^23: 22-23 bits of it, where fp32 holds 24), the
+// sums of code * X are exact integers, and per 32 k
+// y = fma(s * 2^-E, scale, y) (+ sum of X * 2^-E * min, 4-bit codes), in order,
+// whatever M is: a row's result does not depend on its batch or the ISA.
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads);
 // The QuantMatrix of tensors q (int32 [ceil(n/32), k/per, 32]), scales and mins
 // ([ceil(n/32), k/group, 32], both fp16 or both fp32), checked;
@@ -45,47 +47,68 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
 QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t k,
                          int64_t bits, const char* what);
 
+// Integer dot products of unsigned 8-bit codes with signed 8-bit digits of
+// the activations (matmul_quant.cpp), for all lanes at once: each 32-bit lane
+// holds one output column's four codes, `dot` adds their products with the
+// four digits of `s` to the lane's sum.
+//
+// - AVX-512: vpdpbusd (AVX512-VNNI) sums into 32-bit lanes directly.
+// - AVX2: vpmaddubsw sums pairs into 16-bit halves, added up through one
+//   32-k block (at most 8 dots of 4-bit codes: 8 x 2 x 15 x 128 = 30720, so
+//   they never saturate; 8-bit codes are dotted as two nibbles); finish()
+//   widens the halves to the lane's sum.
+// Both compute the same integers exactly, so the paths give the same bits.
 #if defined(__AVX512F__)
-struct QVec {
+#if !defined(__AVX512VNNI__)
+#error "the AVX-512 build of the quantized kernels needs AVX512-VNNI (engine/kernels.py ISAS)"
+#endif
+struct IVec {
   using I = __m512i;
+  static I zero() { return _mm512_setzero_si512(); }
   static I load(const int32_t* p) { return _mm512_loadu_si512(p); }
-  // The code of slot J of each lane's word, as fp32.
-  template <int BITS, int J>
-  static __m512 code(I v) {
-    if constexpr (J == 32 / BITS - 1)
-      return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, BITS * J));
-    else
-      return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, BITS * J), _mm512_set1_epi32((1 << BITS) - 1)));
-  }
-  // The same times 2^(BITS J) (one mask, no shift), but for the top slot, which is code(): exact.
-  template <int BITS, int J>
-  static __m512 code_in_place(I v) {
-    if constexpr (J == 32 / BITS - 1)
-      return code<BITS, J>(v);
-    else
-      return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(((1 << BITS) - 1) << (BITS * J))));
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F0F0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(0x0F0F0F0F)); }
+  static I dot(I acc, I u, int32_t s) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(s)); }
+  static I finish(I acc) { return acc; }
+  static constexpr bool kByteCodes = true;  // dot takes codes up to 255
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  template <int S>
+  static I shl(I a) { return _mm512_slli_epi32(a, S); }
+  static __m512 to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static I round(__m512 v) { return _mm512_cvtps_epi32(v); }  // to nearest even
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I sra8(I a) { return _mm512_srai_epi32(a, 8); }
+  static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a));
   }
   static __m512 load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 };
 #else
-struct QVec {
+struct IVec {
   using I = __m256i;
+  static I zero() { return _mm256_setzero_si256(); }
   static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  template <int BITS, int J>
-  static __m256 code(I v) {
-    if constexpr (J == 32 / BITS - 1)
-      return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, BITS * J));
-    else
-      return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, BITS * J), _mm256_set1_epi32((1 << BITS) - 1)));
-  }
-  template <int BITS, int J>
-  static __m256 code_in_place(I v) {
-    if constexpr (J == 32 / BITS - 1)
-      return code<BITS, J>(v);
-    else
-      return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(((1 << BITS) - 1) << (BITS * J))));
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0F0F0F0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(0x0F0F0F0F)); }
+  static I dot(I acc, I u, int32_t s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, _mm256_set1_epi32(s))); }
+  static I finish(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+  static constexpr bool kByteCodes = false;  // codes up to 15: bytes are split into two nibbles
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  template <int S>
+  static I shl(I a) { return _mm256_slli_epi32(a, S); }
+  static __m256 to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static I round(__m256 v) { return _mm256_cvtps_epi32(v); }  // to nearest even
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I sra8(I a) { return _mm256_srai_epi32(a, 8); }
+  static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
   }
   static __m256 load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
