@@ -5,17 +5,21 @@
 // (per-row scales).
 //
 // The products are integers. Each 32 k of a row of x (a block of the row) are
-// held as X = round(x * 2^E), E per block, the largest |x| of the block
-// landing at or just under 2^23: 22 to 23 bits of it (fp32 holds 24) and the
-// same absolute step for the rest, so X is off by at most ~2^-22 of the block's
-// largest |x|. X is three signed base-256 digits (X = d2 2^16 + d1 2^8 + d0, each
-// in [-128, 127]), and the sums of code * digit over a block are exact int32,
-// 4 k of one column per lane and instruction (quant.h IVec: vpdpbusd, on AVX2
-// vpmaddubsw), where the fp32 tile this replaces took a mask, a conversion and
-// an FMA per vector of single k (on one Zen 4 core: 15 GB/s of Q4_1 with its
-// codes in cache, bound by instructions). Per block and column, then:
+// held as X = round(x * 2^E), E per block, and X is three signed digits of DB
+// bits (X = d2 2^2DB + d1 2^DB + d0, each in [-2^(DB-1), 2^(DB-1))), the
+// largest |x| of the block landing just under the largest X three digits hold:
+// the same absolute step for the rest, so X is off by at most ~2^-(3DB-2) of
+// the block's largest |x|. Against 4-bit codes DB = 8 (~2^-22, fp32 holds
+// 2^-24); against 8-bit codes DB = 7 (~2^-19), so that on AVX2 a code (+ 128,
+// up to 255) times a digit (|d| up to 64) pairs without saturating vpmaddubsw's
+// int16 sums and 8-bit codes take one integer dot per word instead of two
+// nibble planes. The sums of code * digit over a block are exact int32, 4 k of
+// one column per lane and instruction (quant.h IVec: vpdpbusd, on AVX2
+// vpmaddubsw + vpmaddwd), where the fp32 tile this replaces took a mask, a
+// conversion and an FMA per vector of single k (on one Zen 4 core: 15 GB/s of
+// Q4_1 with its codes in cache, bound by instructions). Per block and column:
 //
-//   s = fma(float(sum d2), 2^16, float(sum d1 2^8 + d0))   (one rounding)
+//   s = fma(float(sum d2), 2^2DB, float(sum d1 2^DB + d0))   (one rounding)
 //   y = fma(s, scale 2^-E, y), then for 4-bit codes y = fma(sum X 2^-E, min, y)
 //
 // 8-bit codes are held + 128 with min = -128 scale (quant.h): their sums drop
@@ -50,10 +54,15 @@ using V = Vec::T;
 using I = IVec::I;
 constexpr int64_t kL = Vec::kLanes;
 constexpr int64_t kBlockK = 32;                            // k of a row of x under one 2^E
-constexpr int kDigits = 3;                                 // base-256 digits of X
+constexpr int kDigits = 3;                                 // signed digits of X
 constexpr int kQuads = kBlockK / 4;                        // 4-byte runs of one digit in a block
 constexpr int kBlockInts = kDigits * kQuads;               // a block's digits: [digit][k] bytes, as int32
-constexpr int32_t kXMax = 127 * 65536 + 127 * 256 + 127;  // the largest |X| the digits hold
+// Bits per digit: base 256 against 4-bit codes; base 128 against 8-bit codes, whose products
+// (code + 128 up to 255, |digit| up to 64) then pair without saturating vpmaddubsw on AVX2.
+template <int BITS>
+constexpr int kDigitBits = BITS == 4 ? 8 : 7;
+template <int DB>
+constexpr int32_t kXMax = ((1 << (DB - 1)) - 1) * ((1 << (2 * DB)) + (1 << DB) + 1);  // the largest |X| held
 constexpr int kNV = 2;                                     // vectors of columns per tile pass
 constexpr int64_t kPass = kNV * kL;                        // 32 columns (AVX2: 16)
 constexpr int64_t kAheadWords = 512;                       // 2 KiB: 16 k-words of a block
@@ -62,7 +71,7 @@ template <int BITS>
 constexpr int kRows = 4;  // of 32 zmm: 24 sums, 2 words, 2 code planes
 #else
 template <int BITS>
-constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6 rows' worth, as two nibbles)
+constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
 #endif
 
 // A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum.
@@ -80,6 +89,7 @@ inline V load_scale(const void* p, int64_t i) {
 }
 
 // x [M, K] -> digits [M][blocks][kBlockInts] and XBlock [M][blocks]; blocks past K's end are zero.
+template <int DB>
 void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb, int threads) {
   const int64_t blocks = (K + kBlockK - 1) / kBlockK;
   par_for(M * blocks, 64, threads, [&](int64_t a, int64_t e) {
@@ -106,24 +116,26 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
       if (amax == 0.f) continue;
       int e;
       std::frexp(amax, &e);
-      int E = 23 - e;  // amax 2^E in [2^22, 2^23)
-      if (std::ldexp(static_cast<double>(amax), E) > kXMax) --E;
+      int E = 3 * DB - 1 - e;  // amax 2^E in [2^(3 DB - 2), 2^(3 DB - 1))
+      if (std::ldexp(static_cast<double>(amax), E) > kXMax<DB>) --E;
       E = std::min(E, 127);  // (blocks under 2^-104 lose bits: they hardly count)
       const V up = Vec::set1(std::ldexp(1.f, E));
-      const I c128 = IVec::set1(128), c255 = IVec::set1(255);
+      const I half = IVec::set1(1 << (DB - 1)), mask = IVec::set1((1 << DB) - 1);
       I ds[kDigits] = {IVec::zero(), IVec::zero(), IVec::zero()};
 #pragma GCC unroll 4
       for (int k = 0; k < kBlockK; k += kL) {
         const I X = IVec::round(Vec::mul(Vec::load(v + k), up));  // v 2^E is exact: only the rounding
-        const I d0 = IVec::sub(IVec::and_(IVec::add(X, c128), c255), c128), r = IVec::sra8(IVec::sub(X, d0));
-        const I d1 = IVec::sub(IVec::and_(IVec::add(r, c128), c255), c128), d2 = IVec::sra8(IVec::sub(r, d1));
+        const I d0 = IVec::sub(IVec::and_(IVec::add(X, half), mask), half);
+        const I r = IVec::template sra<DB>(IVec::sub(X, d0));
+        const I d1 = IVec::sub(IVec::and_(IVec::add(r, half), mask), half);
+        const I d2 = IVec::template sra<DB>(IVec::sub(r, d1));
         IVec::store_bytes(d + k, d0);
         IVec::store_bytes(d + kBlockK + k, d1);
         IVec::store_bytes(d + 2 * kBlockK + k, d2);
         ds[0] = IVec::add(ds[0], d0), ds[1] = IVec::add(ds[1], d1), ds[2] = IVec::add(ds[2], d2);
       }
       for (int j = 0; j < kDigits; ++j) b.dsum[j] = static_cast<int32_t>(Vec::reduce_add(IVec::to_float(ds[j])));
-      const int32_t sx = b.dsum[2] * 65536 + b.dsum[1] * 256 + b.dsum[0];  // the sum of X, exactly
+      const int32_t sx = b.dsum[2] * (1 << (2 * DB)) + b.dsum[1] * (1 << DB) + b.dsum[0];  // the sum of X, exactly
       b.p = std::ldexp(1.f, -E);
       b.sxp = static_cast<float>(sx) * b.p;
     }
@@ -133,7 +145,7 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
 #define KVRELAY_INLINE inline __attribute__((always_inline))
 
 // acc[m][d][c] += codes[c] . (digit d of run q of row m), for one plane of codes (4 k per lane)
-template <int MR, int NV>
+template <int MR, int NV, bool WIDE = false>
 KVRELAY_INLINE void dot_plane(I (&acc)[MR][kDigits][NV], const I (&codes)[NV], const int32_t* xd, int64_t stride,
                               int q) {
 #pragma GCC unroll 8
@@ -142,7 +154,8 @@ KVRELAY_INLINE void dot_plane(I (&acc)[MR][kDigits][NV], const I (&codes)[NV], c
     for (int d = 0; d < kDigits; ++d) {
       const int32_t s = xd[m * stride + d * kQuads + q];
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[m][d][c] = IVec::dot(acc[m][d][c], codes[c], s);
+      for (int c = 0; c < NV; ++c)
+        acc[m][d][c] = WIDE ? IVec::dot_wide(acc[m][d][c], codes[c], s) : IVec::dot(acc[m][d][c], codes[c], s);
     }
 }
 
@@ -159,7 +172,7 @@ void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMa
           float* y, int64_t N, int64_t cols) {
   constexpr int P = 32 / BITS;                               // codes per word
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
-  constexpr bool kNibbles = BITS == 8 && !IVec::kByteCodes;  // 8-bit codes summed as low and high nibbles
+  constexpr int DB = kDigitBits<BITS>;
   const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
   // blocks of k per group of scales (a multiple of 32, or the whole row: quant_matrix checks)
   const int64_t per_group = groups == 1 ? blocks : w.group / kBlockK;
@@ -168,9 +181,8 @@ void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMa
 #pragma GCC unroll 8
   for (int i = 0; i < MR * kNV; ++i) tot[i / kNV][i % kNV] = Vec::zero();
   for (int64_t blk = 0, g = 0, in_group = 0; blk < blocks; ++blk) {
-    I acc[MR][kDigits][kNV], hacc[kNibbles ? MR : 1][kDigits][kNV];  // hacc: the high nibbles' sums
+    I acc[MR][kDigits][kNV];
     zero(acc);
-    if constexpr (kNibbles) zero(hacc);
     const int32_t* xd = digits + blk * kBlockInts;
     const int nw = static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
     for (int wi = 0; wi < nw; ++wi, qw += kPackedCols) {
@@ -180,19 +192,14 @@ void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMa
       I words[kNV];
 #pragma GCC unroll 4
       for (int c = 0; c < kNV; ++c) words[c] = IVec::load(qw + c * kL);
-      if constexpr (BITS == 8 && IVec::kByteCodes) {
-        dot_plane<MR, kNV>(acc, words, xd, stride, wi);
-      } else {
+      if constexpr (BITS == 8) {
+        dot_plane<MR, kNV, true>(acc, words, xd, stride, wi);
+      } else {  // k 8 wi + [0, 4) low, + [4, 8) high
         I lo[kNV], hi[kNV];
 #pragma GCC unroll 4
         for (int c = 0; c < kNV; ++c) lo[c] = IVec::low_nibbles(words[c]), hi[c] = IVec::high_nibbles(words[c]);
-        if constexpr (BITS == 4) {  // k 8 wi + [0, 4) low, + [4, 8) high
-          dot_plane<MR, kNV>(acc, lo, xd, stride, 2 * wi);
-          dot_plane<MR, kNV>(acc, hi, xd, stride, 2 * wi + 1);
-        } else {  // code = low + 16 high, the same k
-          dot_plane<MR, kNV>(acc, lo, xd, stride, wi);
-          dot_plane<MR, kNV>(hacc, hi, xd, stride, wi);
-        }
+        dot_plane<MR, kNV>(acc, lo, xd, stride, 2 * wi);
+        dot_plane<MR, kNV>(acc, hi, xd, stride, 2 * wi + 1);
       }
     }
     qw += (kWords - nw) * kPackedCols;
@@ -208,12 +215,13 @@ void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMa
         I s[kDigits];
 #pragma GCC unroll 3
         for (int j = 0; j < kDigits; ++j) {
-          s[j] = IVec::finish(acc[m][j][c]);
-          if constexpr (kNibbles) s[j] = IVec::add(s[j], IVec::template shl<4>(IVec::finish(hacc[m][j][c])));
-          if constexpr (BITS == 8) s[j] = IVec::sub(s[j], IVec::set1(128 * xm.dsum[j]));
+          if constexpr (BITS == 8)
+            s[j] = IVec::sub(acc[m][j][c], IVec::set1(128 * xm.dsum[j]));
+          else
+            s[j] = IVec::finish(acc[m][j][c]);
         }
-        const V sum = Vec::fmadd(IVec::to_float(s[2]), Vec::set1(65536.f),
-                                 IVec::to_float(IVec::add(IVec::template shl<8>(s[1]), s[0])));
+        const V sum = Vec::fmadd(IVec::to_float(s[2]), Vec::set1(static_cast<float>(1 << (2 * DB))),
+                                 IVec::to_float(IVec::add(IVec::template shl<DB>(s[1]), s[0])));
         tot[m][c] = Vec::fmadd(sum, Vec::mul(d, Vec::set1(xm.p)), tot[m][c]);
         if constexpr (BITS == 4) tot[m][c] = Vec::fmadd(Vec::set1(xm.sxp), mn, tot[m][c]);
       }
@@ -243,7 +251,7 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
   const int64_t wblocks = (N + kPackedCols - 1) / kPackedCols, stride = blocks * kBlockInts;
   std::vector<int32_t> digits(M * stride);
   std::vector<XBlock> xb(M * blocks);
-  to_digits(x, M, K, digits.data(), xb.data(), threads);
+  to_digits<kDigitBits<BITS>>(x, M, K, digits.data(), xb.data(), threads);
   // chunks of rows whose digits stay in L2 (~256 KiB) while every block of W passes them
   const int64_t cap = std::max<int64_t>(R, (256 << 10) / (4 * stride + 20 * blocks) / R * R);
   const int64_t chunks = (M + cap - 1) / cap, chunk_rows = (M + chunks - 1) / chunks;

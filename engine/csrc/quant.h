@@ -36,8 +36,9 @@ struct QuantMatrix {
 
 // y[M, n] = x[M, k] @ W^T in fp32, W quantized; rows of x and y contiguous; any M.
 // Each 32 k of a row of x are held as integers X = x * 2^E (E per row and 32 k,
-// the largest |x| just under 2^23: 22-23 bits of it, where fp32 holds 24), the
-// sums of code * X are exact integers, and per 32 k
+// X within ~2^-22 of the largest |x| against 4-bit codes, ~2^-19 against 8-bit
+// ones; matmul_quant.cpp says why), the sums of code * X are exact integers,
+// and per 32 k
 // y = fma(s * 2^-E, scale, y) (+ sum of X * 2^-E * min, 4-bit codes), in order,
 // whatever M is: a row's result does not depend on its batch or the ISA.
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads);
@@ -55,8 +56,9 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
 // - AVX-512: vpdpbusd (AVX512-VNNI) sums into 32-bit lanes directly.
 // - AVX2: vpmaddubsw sums pairs into 16-bit halves, added up through one
 //   32-k block (at most 8 dots of 4-bit codes: 8 x 2 x 15 x 128 = 30720, so
-//   they never saturate; 8-bit codes are dotted as two nibbles); finish()
-//   widens the halves to the lane's sum.
+//   they never saturate); finish() widens the halves to the lane's sum.
+//   dot_wide() widens each dot at once (vpmaddwd), for 8-bit codes against
+//   base-128 digits: 2 x 255 x 64 = 32640 still fits a half.
 // Both compute the same integers exactly, so the paths give the same bits.
 #if defined(__AVX512F__)
 #if !defined(__AVX512VNNI__)
@@ -71,7 +73,7 @@ struct IVec {
   static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(0x0F0F0F0F)); }
   static I dot(I acc, I u, int32_t s) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(s)); }
   static I finish(I acc) { return acc; }
-  static constexpr bool kByteCodes = true;  // dot takes codes up to 255
+  static I dot_wide(I acc, I u, int32_t s) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(s)); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   template <int S>
@@ -79,7 +81,8 @@ struct IVec {
   static __m512 to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static I round(__m512 v) { return _mm512_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I sra8(I a) { return _mm512_srai_epi32(a, 8); }
+  template <int S>
+  static I sra(I a) { return _mm512_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a));
   }
@@ -97,7 +100,10 @@ struct IVec {
   static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(0x0F0F0F0F)); }
   static I dot(I acc, I u, int32_t s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, _mm256_set1_epi32(s))); }
   static I finish(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
-  static constexpr bool kByteCodes = false;  // codes up to 15: bytes are split into two nibbles
+  // the same, widened at once (codes up to 255 against |digits| up to 64: no pair saturates)
+  static I dot_wide(I acc, I u, int32_t s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(s)), _mm256_set1_epi16(1)));
+  }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   template <int S>
@@ -105,7 +111,8 @@ struct IVec {
   static __m256 to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static I round(__m256 v) { return _mm256_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I sra8(I a) { return _mm256_srai_epi32(a, 8); }
+  template <int S>
+  static I sra(I a) { return _mm256_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
