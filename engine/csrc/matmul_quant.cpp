@@ -29,8 +29,11 @@
 // gives the same bits.
 //
 // - One tile for every M: kRows rows against one 32-column block of W
-//   (AVX-512: the whole block in 2 zmm; AVX2: half of it in 2 ymm, two passes),
-//   each word of codes loaded once and its code planes shared by the rows.
+//   (AVX-512: the whole block in 2 zmm; AVX2: half of it in 2 ymm, two passes,
+//   but a single row takes the whole block in 4 ymm: in two passes each pass
+//   reads every other cache line of the codes, and a decode step, bound by
+//   their reads, ran 30% slower), each word of codes loaded once and its code
+//   planes shared by the rows.
 // - The tiles prefetch their codes kAheadWords ahead: at 5 bits a weight a tile
 //   spends so long on each cache line that the hardware prefetcher alone keeps
 //   too few lines in flight.
@@ -63,8 +66,10 @@ template <int BITS>
 constexpr int kDigitBits = BITS == 4 ? 8 : 7;
 template <int DB>
 constexpr int32_t kXMax = ((1 << (DB - 1)) - 1) * ((1 << (2 * DB)) + (1 << DB) + 1);  // the largest |X| held
-constexpr int kNV = 2;                                     // vectors of columns per tile pass
-constexpr int64_t kPass = kNV * kL;                        // 32 columns (AVX2: 16)
+// vectors of columns per tile pass: 2 (32 columns; AVX2: 16, two passes over a block), and on
+// AVX2 a single row takes its whole block in one pass (4 ymm), each cache line of codes read once
+template <int MR>
+constexpr int kNV = kL * 4 == kPackedCols && MR == 1 ? 4 : 2;
 constexpr int64_t kAheadWords = 512;                       // 2 KiB: 16 k-words of a block
 #if defined(__AVX512F__)
 template <int BITS>
@@ -167,9 +172,10 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 
 // Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
 // columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
-template <int BITS, bool F16, int MR>
-void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w, int64_t b, int64_t h,
-          float* y, int64_t N, int64_t cols) {
+template <int BITS, bool F16, int MR, int kNV>
+KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
+                              int64_t b, int64_t h, float* y, int64_t N, int64_t cols) {
+  constexpr int64_t kPass = kNV * kL;
   constexpr int P = 32 / BITS;                               // codes per word
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
   constexpr int DB = kDigitBits<BITS>;
@@ -234,9 +240,17 @@ void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMa
   for (int m = 0; m < MR; ++m) std::memcpy(y + m * N + h, res[m], n * sizeof(float));
 }
 
+// Rows [0, MR) against block b of W (`cols` of its columns valid), pass by pass.
+template <int BITS, bool F16, int MR>
+void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w, int64_t b, float* y,
+          int64_t N, int64_t cols) {
+  constexpr int64_t pass = kNV<MR> * kL;
+  for (int64_t h = 0; h < cols; h += pass)
+    tile_pass<BITS, F16, MR, kNV<MR>>(digits, xb, stride, w, b, h, y, N, cols);
+}
+
 template <int BITS, bool F16>
-using TileFn = void (*)(const int32_t*, const XBlock*, int64_t, const QuantMatrix&, int64_t, int64_t, float*, int64_t,
-                        int64_t);
+using TileFn = void (*)(const int32_t*, const XBlock*, int64_t, const QuantMatrix&, int64_t, float*, int64_t, int64_t);
 
 template <int BITS, bool F16, int... R>
 constexpr std::array<TileFn<BITS, F16>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
@@ -259,12 +273,11 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
     for (int64_t i = a; i < e; ++i) {
       const int64_t c = i / wblocks, b = i % wblocks, m0 = c * chunk_rows, rows = std::min(M, m0 + chunk_rows) - m0;
       const int64_t cols = std::min(kPackedCols, N - b * kPackedCols);
-      for (int64_t h = 0; h < cols; h += kPass)
-        for (int64_t m = m0; m < m0 + rows; m += R) {
-          const int64_t r = std::min<int64_t>(R, m0 + rows - m);
-          table[r](digits.data() + m * stride, xb.data() + m * blocks, stride, w, b, h, y + m * N + b * kPackedCols,
-                   N, cols);
-        }
+      for (int64_t m = m0; m < m0 + rows; m += R) {
+        const int64_t r = std::min<int64_t>(R, m0 + rows - m);
+        table[r](digits.data() + m * stride, xb.data() + m * blocks, stride, w, b, y + m * N + b * kPackedCols, N,
+                 cols);
+      }
     }
   });
 }
