@@ -46,6 +46,7 @@ _log_junk = errors.RateLimitedLog(log)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
 MAX_PROFILE_S = 600.0
+STOP_CONFIRM_S = 10.0  # the most `GrpcFrontend.stop` waits past the grace for gRPC to confirm
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
@@ -278,8 +279,17 @@ class GrpcFrontend:
         if self.server is None:
             return
         await self.health.stop()
-        await self.server.stop(grace)
-        self.server = None
+        server, self.server = self.server, None
+        # grpc.aio's stop waits for the core to confirm the shutdown; that confirmation has been seen to
+        # go missing (grpc/grpc#28999 and kin), and a frontend must never hang its caller on stop. Calls
+        # are already cancelled by then, so waiting longer than the grace plus a margin buys nothing.
+        stopping = asyncio.ensure_future(server.stop(grace))
+        done, _ = await asyncio.wait({stopping}, timeout=(grace or 0.0) + STOP_CONFIRM_S)
+        if not done:
+            log.warning("gRPC frontend on port %s: no shutdown confirmation within %.0fs of the grace; going on",
+                        self.port, STOP_CONFIRM_S)
+        else:
+            stopping.result()
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:

@@ -1,4 +1,5 @@
 """gRPC health follows replica liveness exactly as HTTP /health does; reflection v1 and v1alpha."""
+import asyncio
 import json
 import queue
 import threading
@@ -137,3 +138,25 @@ def test_reflection_lists_and_describes_the_services(served, version):
             assert "kvrelay.v1.KVRelay" in db.get_services()
             assert db.FindFileContainingSymbol("kvrelay.v1.KVRelay").package == "kvrelay.v1"
     assert json.loads(served.get("/health")[1])["status"] == "ok"
+
+
+def test_stop_is_bounded_when_grpc_never_confirms(monkeypatch):
+    """gRPC's own stop waiting forever on the core's confirmation must not hang the frontend's stop."""
+    from cluster import grpc_frontend
+
+    monkeypatch.setattr(grpc_frontend, "STOP_CONFIRM_S", 0.3)
+    server = ServedFrontends(EchoBackend(), health_interval_s=0.05)
+    grpc_server = server.frontends.grpc.server
+    real_stop = grpc_server.stop
+
+    async def never_confirms(grace):
+        await real_stop(grace)
+        await asyncio.Event().wait()
+
+    grpc_server.stop = never_confirms
+    t0 = time.monotonic()
+    server.close()
+    assert time.monotonic() - t0 < 5.0
+    assert server.frontends.grpc.server is None
+    with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError):
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)

@@ -5,8 +5,10 @@ Both frontends run over the EchoBackend (tests/cluster/conftest.py) from
 """
 import asyncio
 import contextlib
+import faulthandler
 import json
 import ssl
+import sys
 import threading
 import time
 import urllib.error
@@ -81,7 +83,13 @@ class ServedFrontends:
                 for s in samples}
 
     def close(self):
-        self.call(self.frontends.stop(0), timeout=30)  # a loaded machine (CI) can take a while
+        try:
+            self.call(self.frontends.stop(0), timeout=30)  # a loaded machine (CI) can take a while
+        except TimeoutError:  # say where it is stuck before failing: every thread, and the loop's tasks
+            faulthandler.dump_traceback(sys.stderr)
+            for task in asyncio.all_tasks(self.loop):
+                task.print_stack(file=sys.stderr)
+            raise
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
