@@ -172,10 +172,10 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 
 // Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
 // columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
-template <int BITS, bool F16, int MR, int kNV>
+template <int BITS, bool F16, int MR, int NV>
 KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
                               int64_t b, int64_t h, float* y, int64_t N, int64_t cols) {
-  constexpr int64_t kPass = kNV * kL;
+  constexpr int64_t kPass = NV * kL;
   constexpr int P = 32 / BITS;                               // codes per word
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
   constexpr int DB = kDigitBits<BITS>;
@@ -183,11 +183,11 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   // blocks of k per group of scales (a multiple of 32, or the whole row: quant_matrix checks)
   const int64_t per_group = groups == 1 ? blocks : w.group / kBlockK;
   const int32_t* qw = w.q + b * (K / P) * kPackedCols + h;
-  V tot[MR][kNV];
+  V tot[MR][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR * kNV; ++i) tot[i / kNV][i % kNV] = Vec::zero();
+  for (int i = 0; i < MR * NV; ++i) tot[i / NV][i % NV] = Vec::zero();
   for (int64_t blk = 0, g = 0, in_group = 0; blk < blocks; ++blk) {
-    I acc[MR][kDigits][kNV];
+    I acc[MR][kDigits][NV];
     zero(acc);
     const int32_t* xd = digits + blk * kBlockInts;
     const int nw = static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
@@ -195,24 +195,24 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
       // a k-word is 128 bytes, two cache lines (past the block's end: the next block, or nothing to fault)
       _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords), _MM_HINT_T0);
       if constexpr (kPass * 4 > 64) _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords + 16), _MM_HINT_T0);
-      I words[kNV];
+      I words[NV];
 #pragma GCC unroll 4
-      for (int c = 0; c < kNV; ++c) words[c] = IVec::load(qw + c * kL);
+      for (int c = 0; c < NV; ++c) words[c] = IVec::load(qw + c * kL);
       if constexpr (BITS == 8) {
-        dot_plane<MR, kNV, true>(acc, words, xd, stride, wi);
+        dot_plane<MR, NV, true>(acc, words, xd, stride, wi);
       } else {  // k 8 wi + [0, 4) low, + [4, 8) high
-        I lo[kNV], hi[kNV];
+        I lo[NV], hi[NV];
 #pragma GCC unroll 4
-        for (int c = 0; c < kNV; ++c) lo[c] = IVec::low_nibbles(words[c]), hi[c] = IVec::high_nibbles(words[c]);
-        dot_plane<MR, kNV>(acc, lo, xd, stride, 2 * wi);
-        dot_plane<MR, kNV>(acc, hi, xd, stride, 2 * wi + 1);
+        for (int c = 0; c < NV; ++c) lo[c] = IVec::low_nibbles(words[c]), hi[c] = IVec::high_nibbles(words[c]);
+        dot_plane<MR, NV>(acc, lo, xd, stride, 2 * wi);
+        dot_plane<MR, NV>(acc, hi, xd, stride, 2 * wi + 1);
       }
     }
     qw += (kWords - nw) * kPackedCols;
     const int64_t at = (b * groups + g) * kPackedCols + h;
     if (++in_group == per_group) ++g, in_group = 0;
 #pragma GCC unroll 4
-    for (int c = 0; c < kNV; ++c) {
+    for (int c = 0; c < NV; ++c) {
       const V d = load_scale<F16>(w.scales, at + c * kL);
       const V mn = BITS == 4 ? load_scale<F16>(w.mins, at + c * kL) : Vec::zero();
 #pragma GCC unroll 8
@@ -235,7 +235,7 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   }
   alignas(64) float res[MR][kPass];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR * kNV; ++i) Vec::store(res[i / kNV] + kL * (i % kNV), tot[i / kNV][i % kNV]);
+  for (int i = 0; i < MR * NV; ++i) Vec::store(res[i / NV] + kL * (i % NV), tot[i / NV][i % NV]);
   const int64_t n = std::min<int64_t>(cols - h, kPass);
   for (int m = 0; m < MR; ++m) std::memcpy(y + m * N + h, res[m], n * sizeof(float));
 }
