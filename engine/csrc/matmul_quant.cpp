@@ -73,7 +73,7 @@ constexpr int kNV = kL * 4 == kPackedCols && MR == 1 ? 4 : 2;
 constexpr int64_t kAheadWords = 512;                       // 2 KiB: 16 k-words of a block
 #if defined(__AVX512F__)
 template <int BITS>
-constexpr int kRows = 4;  // of 32 zmm: 24 sums, 2 words, 2 code planes
+constexpr int kRows = 3;  // of 32 zmm: 18 sums, 6 totals, 2 words, 2 code planes, a digit
 #else
 template <int BITS>
 constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
