@@ -120,6 +120,10 @@ class _State:
         try:
             if self.shm is not None:
                 if self.is_healthy:
+                    # a stop cut into a step (Ctrl-C mid-collective) may find the step channel full
+                    # of a message a worker, itself waiting on this rank, never acks: wait no longer
+                    # for it than for a join, then abort, rather than the whole collective timeout
+                    self.shm.timeout_s = min(self.shm.timeout_s, JOIN_TIMEOUT_S)
                     try:
                         self.shm.send(stop_message())
                     except CollectiveError:  # a rank went between steps
