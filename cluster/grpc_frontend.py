@@ -283,13 +283,11 @@ class GrpcFrontend:
         # grpc.aio's stop waits for the core to confirm the shutdown; that confirmation has been seen to
         # go missing (grpc/grpc#28999 and kin), and a frontend must never hang its caller on stop. Calls
         # are already cancelled by then, so waiting longer than the grace plus a margin buys nothing.
-        stopping = asyncio.ensure_future(server.stop(grace))
-        done, _ = await asyncio.wait({stopping}, timeout=(grace or 0.0) + STOP_CONFIRM_S)
-        if not done:
+        try:
+            await asyncio.wait_for(asyncio.shield(server.stop(grace)), (grace or 0.0) + STOP_CONFIRM_S)
+        except asyncio.TimeoutError:
             log.warning("gRPC frontend on port %s: no shutdown confirmation within %.0fs of the grace; going on",
                         self.port, STOP_CONFIRM_S)
-        else:
-            stopping.result()
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:
