@@ -5,7 +5,11 @@
 - ``gguf``: a GGUF file's own block formats, read as stored (`read_gguf_rows`):
   Q8_0 (32 signed bytes and an fp16 scale per block of 32), Q4_1 (32 nibbles,
   an fp16 scale and minimum) and Q4_0 (nibbles - 8, held as Q4_1 with the
-  minimum -8 x scale, which fp16 holds exactly).
+  minimum -8 x scale, which fp16 holds exactly); Q5_0 (5-bit codes - 16, held as
+  signed bytes like Q8_0's); and the k-quants' super-blocks of 256, whose 6-bit
+  sub-block scales are multiplied out at load into fp32 (a product of an fp16
+  and a small integer, exact): Q4_K (nibbles, a scale and minimum per 32) and
+  Q6_K (6-bit codes - 32 held as signed bytes, a scale per 16).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
 concatenated, permuted and checked like a tensor), then packed once into the
@@ -16,6 +20,8 @@ with fp32 activations; every matmul is that of the dequantized weights
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +31,13 @@ import torch.nn.functional as F
 
 from engine.config import ConfigError
 
+log = logging.getLogger(__name__)
+
 QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
-# GGUF block type -> (bytes per block of 32, code bits)
-GGUF_FORMATS = {"Q8_0": (34, 8), "Q4_0": (18, 4), "Q4_1": (20, 4)}
+# GGUF block type -> (weights per block, bytes per block, code bits as held)
+GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 8),
+                "Q5_1": (32, 24, 8), "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 8), "Q6_K": (256, 210, 8)}
 
 
 class QuantError(ValueError):
@@ -37,10 +46,11 @@ class QuantError(ValueError):
 
 @dataclass
 class QuantRows:
-    """A quantized [n, k] weight by rows. codes: int8 [n, k] (signed bytes for
-    bits 8, 0..15 for bits 4); scales: [n, k // group] fp16 (GGUF) or fp32
-    (int8); mins: the same, or None. W = codes * scales (+ mins), per group of
-    `group` consecutive k."""
+    """A quantized [n, k] weight by rows. codes: [n, k], int8 signed bytes
+    (bits 8 without mins), or unsigned codes as int8 or uint8 (0..15 for bits
+    4; 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
+    mins: the same, or None. W = codes * scales (+ mins), per group of `group`
+    consecutive k."""
 
     fmt: str  # "q8_0", "q4_1" or "int8"
     bits: int
@@ -67,14 +77,37 @@ class QuantRows:
             return self.codes.float() * d
         return torch.addcmul(self.mins.float().repeat_interleave(self.group, dim=1), self.codes.float(), d)
 
+    def widened(self, group: int) -> QuantRows:
+        """The same values as unsigned 8-bit codes with fp32 scales and minimums per `group` k (a
+        divisor of this group): 4-bit and 5-bit codes as they are; signed bytes moved up by the
+        smallest power of two (32, 64 or 128) that makes them unsigned, with minimum -that x scale.
+        Every value is exact: fp16 widened to fp32, products of scales with powers of two."""
+        codes, mins = self.codes.to(torch.int16), None if self.mins is None else self.mins.float()
+        scales = self.scales.float()
+        if mins is None:
+            low = int(codes.min()) if codes.numel() else 0
+            off = next(o for o in (32, 64, 128) if low >= -o)
+            codes, mins = codes + off, scales * -off
+        r = self.group // group
+        return QuantRows("mixed", 8, codes.to(torch.uint8), scales.repeat_interleave(r, dim=1).contiguous(),
+                         mins.repeat_interleave(r, dim=1).contiguous())
+
     @staticmethod
     def cat(parts: list[QuantRows], what: str) -> QuantRows:
-        """Rows of `parts` one after the other (q|k|v, gate|up): one format, one group size."""
+        """Rows of `parts` one after the other (q|k|v, gate|up). Parts in one format are joined as
+        they are; parts in several (a GGUF's Q4_K q and k beside a Q6_K v, as llama.cpp's Q4_K_M
+        writes) are each widened to one format the kernel takes (`widened`): 8-bit codes with fp32
+        scales and minimums per 16 or 32 k, the same values in more bytes."""
         first = parts[0]
-        for p in parts[1:]:
-            if (p.fmt, p.group, p.scales.dtype) != (first.fmt, first.group, first.scales.dtype):
-                raise QuantError(f"{what}: its parts are stored as {first.fmt} and {p.fmt} (or with other "
-                                 "block sizes); a fused matmul needs them in one format")
+        if any((p.fmt, p.group, p.scales.dtype) != (first.fmt, first.group, first.scales.dtype) for p in parts):
+            group = math.gcd(*(p.group for p in parts))
+            if group % 16:
+                raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k have no "
+                                 "common block of 16 or 32 k to widen them to")
+            log.info("%s: parts stored as %s, widened to 8-bit codes per %d k to be fused", what,
+                     "/".join(p.fmt for p in parts), group)
+            parts = [p.widened(group) for p in parts]
+            first = parts[0]
         return QuantRows(first.fmt, first.bits, torch.cat([p.codes for p in parts]),
                          torch.cat([p.scales for p in parts]),
                          None if first.mins is None else torch.cat([p.mins for p in parts]))
@@ -102,9 +135,10 @@ class QuantWeight:
     (engine/csrc/quant.h): q int32 [ceil(n/32), k / per, 32] (the unsigned
     codes of `per` = 32 / bits consecutive k of one row in a word: bytes in k
     order, or for 4 bits, byte j holding k = j and k = j + 4 in its low and high
-    nibble; signed bytes are held + 128 with min -128 x scale, which both fp16
-    and fp32 hold exactly), scales and mins [ceil(n/32), k / group, 32], padding
-    rows zero. W = code * scale + min."""
+    nibble), scales and mins [ceil(n/32), k / group, 32], padding rows zero.
+    W = code * scale + min. Signed bytes (8-bit rows without minimums) are held
+    + 128 with no minimums stored (`mins` empty): the minimum is -128 x scale,
+    exact."""
 
     __slots__ = ("fmt", "bits", "q", "scales", "mins", "n", "k")
 
@@ -122,9 +156,8 @@ class QuantWeight:
         blocks = -(-n // BLOCK)
         pad = blocks * BLOCK - n
         codes, mins = rows.codes, rows.mins
-        if rows.bits == 8:  # signed bytes -> unsigned, the offset moved into the minimum
+        if rows.bits == 8 and mins is None:  # signed bytes -> unsigned, the minimum -128 x scale implied
             codes = (codes.to(torch.int16) + 128).to(torch.uint8)
-            mins = rows.scales * -128
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad))  # [blocks * 32, k]
         if rows.bits == 4:  # byte j of a word: k = j in its low nibble, k = j + 4 in its high one
             halves = codes.reshape(-1, k // 8, 2, 4)
@@ -133,8 +166,9 @@ class QuantWeight:
         q = words.reshape(blocks, BLOCK, k // per).transpose(1, 2).contiguous()
 
         def by_block(t):
-            return None if t is None else F.pad(t, (0, 0, 0, pad)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
-        return cls(rows.fmt, rows.bits, q, by_block(rows.scales), by_block(mins), n, k)
+            return F.pad(t, (0, 0, 0, pad)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+        scales = by_block(rows.scales)
+        return cls(rows.fmt, rows.bits, q, scales, scales.new_empty(0) if mins is None else by_block(mins), n, k)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -157,8 +191,9 @@ class QuantWeight:
         blk, col = ids // BLOCK, ids % BLOCK
         codes = self._codes(self.q[blk, :, col])  # [T, k]
         group = self.k // self.scales.shape[1]
-        d = self.scales[blk, :, col].float().repeat_interleave(group, dim=1)
-        return torch.addcmul(self.mins[blk, :, col].float().repeat_interleave(group, dim=1), codes, d)
+        d = self.scales[blk, :, col].float()
+        m = self.mins[blk, :, col].float() if self.mins.numel() else d * -128
+        return torch.addcmul(m.repeat_interleave(group, dim=1), codes, d.repeat_interleave(group, dim=1))
 
     def dequantize(self) -> torch.Tensor:  # [n, k] float32
         return self.rows(torch.arange(self.n))
@@ -171,24 +206,73 @@ class QuantWeight:
         return QuantWeight(self.fmt, self.bits, q, scales, mins, self.n, self.k)
 
 
+def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> [...] float16
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:  # [..., m] bytes -> [..., 2m]: every low nibble, then every high one
+    return np.concatenate([b & 15, b >> 4], axis=-1)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and minimums -> ([..., 8], [..., 8]) for its 8 sub-blocks:
+    bytes 0-3 hold scales 0-3 and bytes 4-7 minimums 0-3 in their low 6 bits, and the top 2 bits of
+    scales 4-7 (minimums 4-7); bytes 8-11 hold the low 4 bits of scales 4-7 (high nibble: minimums)."""
+    s, m, lo = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = np.concatenate([s & 63, (lo & 15) | ((s >> 6) << 4)], axis=-1)
+    mn = np.concatenate([m & 63, (lo >> 4) | ((m >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
 def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: str) -> QuantRows:
     """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as QuantRows, the values
-    unchanged: Q8_0, Q4_0 (as Q4_1 with minimum -8 x scale) or Q4_1."""
+    unchanged: Q8_0, Q5_0, Q4_0 (as Q4_1 with minimum -8 x scale), Q4_1, Q5_1, Q4_K, Q5_K or Q6_K."""
     if type_name not in GGUF_FORMATS:
         raise QuantError(f"{what}: stored as {type_name}, which quantization 'gguf' does not keep "
                          f"(it keeps {', '.join(GGUF_FORMATS)}); use quantization 'int8' or 'none'")
     n, k = shape
-    size, bits = GGUF_FORMATS[type_name]
-    raw = np.ascontiguousarray(data).reshape(n, k // BLOCK, size)
-    d = torch.from_numpy(raw[..., :2].copy().view(np.float16).reshape(n, k // BLOCK))
+    per, size, _ = GGUF_FORMATS[type_name]
+    if k % per:
+        raise QuantError(f"{what}: {type_name} rows of {k} weights are not whole blocks of {per}")
+    raw = np.ascontiguousarray(data).reshape(n, k // per, size)
+
+    def t(a: np.ndarray, dtype=None) -> torch.Tensor:  # [n, blocks, ...] -> [n, blocks * ...]
+        a = np.ascontiguousarray(a if dtype is None else a.astype(dtype))
+        return torch.from_numpy(a.reshape(n, -1))
+
     if type_name == "Q8_0":
-        codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k))
-        return QuantRows("q8_0", 8, codes, d)
-    qs = raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]  # 16 bytes: k j and j + 16 in byte j
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int8).reshape(n, k)
-    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16).reshape(n, k // BLOCK)) if type_name == "Q4_1" \
-        else -8 * d
-    return QuantRows("q4_1", 4, torch.from_numpy(codes), d, m)
+        return QuantRows("q8_0", 8, t(raw[..., 2:].view(np.int8)), t(_f16(raw[..., :2])))
+    if type_name == "Q5_0":  # d, 32 high bits (k j: bit j), 16 bytes of low nibbles (k j and j + 16 in byte j)
+        high = (raw[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        codes = (_nibbles(raw[..., 6:]) | (high << 4).astype(np.uint8)).astype(np.int16) - 16
+        return QuantRows("q5_0", 8, t(codes, np.int8), t(_f16(raw[..., :2])))
+    if type_name == "Q5_1":  # d, m, 32 high bits, 16 bytes of low nibbles: W = d code + m, codes 0..31
+        high = (raw[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        codes = _nibbles(raw[..., 8:]) | (high << 4).astype(np.uint8)
+        return QuantRows("q5_1", 8, t(codes, np.int8), t(_f16(raw[..., :2])), t(_f16(raw[..., 2:4])))
+    if type_name in ("Q4_0", "Q4_1"):
+        d = t(_f16(raw[..., :2]))
+        codes = t(_nibbles(raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]), np.int8)
+        return QuantRows("q4_1", 4, codes, d, t(_f16(raw[..., 2:4])) if type_name == "Q4_1" else -8 * d)
+    if type_name == "Q4_K":  # d, dmin, 12 bytes of scales, then 4 runs of 32 bytes: k 64 r + j low, + 32 + j high
+        d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
+        sc, mn = _k_scales(raw[..., 4:16])
+        codes = _nibbles(raw[..., 16:].reshape(n, k // per, 4, 32))
+        return QuantRows("q4_k", 4, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
+    if type_name == "Q5_K":  # as Q4_K, with 32 bytes of fifth bits between: k 32 i + j in bit i of byte j
+        d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
+        sc, mn = _k_scales(raw[..., 4:16])
+        high = (raw[..., 16:48].reshape(n, k // per, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        codes = _nibbles(raw[..., 48:].reshape(n, k // per, 4, 32)).reshape(n, k // per, 8, 32) | (high << 4)
+        return QuantRows("q5_k", 8, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
+    # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 k), d. Each half of
+    # 128 k: low nibbles of its 64 bytes for k 0-63, high nibbles for 64-127; its 32 high bytes hold
+    # k 32 r + j in bits 2r, 2r + 1 of byte j.
+    low = _nibbles(raw[..., :128].reshape(n, k // per, 2, 64))
+    high = (raw[..., 128:192].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    codes = (low | (high.reshape(low.shape) << 4)).astype(np.int16) - 32
+    d = _f16(raw[..., 208:210]).astype(np.float32)
+    return QuantRows("q6_k", 8, t(codes, np.int8), t(d[..., None] * raw[..., 192:208].view(np.int8)))
 
 
 def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows]]:

@@ -79,10 +79,12 @@ template <int BITS>
 constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
 #endif
 
-// A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum.
+// A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum over
+// either half of the block's k (8-bit codes scaled per 16 k, Q6_K, take the halves apart).
 struct XBlock {
-  float p, sxp;
-  int32_t dsum[kDigits];
+  float p, sxp, sxph[2];  // sxph: the sum of X * 2^-E over each half
+  int32_t dsum[2][kDigits];
+  int32_t digit_sum(int j) const { return dsum[0][j] + dsum[1][j]; }
 };
 
 template <bool F16>
@@ -104,7 +106,7 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
       std::memcpy(v, x + m * K + k0, n * sizeof(float));
       int8_t* d = reinterpret_cast<int8_t*>(digits + i * kBlockInts);
       XBlock& b = xb[i];
-      b = XBlock{0.f, 0.f, {0, 0, 0}};
+      b = XBlock{0.f, 0.f, {0.f, 0.f}, {{0, 0, 0}, {0, 0, 0}}};
       std::memset(d, 0, kBlockInts * sizeof(int32_t));  // (kept where the block is all zero, or not finite)
       V vmax = Vec::zero(), probe = Vec::zero();
 #pragma GCC unroll 4
@@ -115,7 +117,7 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
       }
       const float amax = Vec::reduce_max(vmax);
       if (Vec::reduce_add(probe) != 0.f) {  // an inf or NaN: the block's results are NaN, as fp32's would be
-        b.p = b.sxp = std::numeric_limits<float>::quiet_NaN();
+        b.p = b.sxp = b.sxph[0] = b.sxph[1] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       if (amax == 0.f) continue;
@@ -126,7 +128,8 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
       E = std::min(E, 127);  // (blocks under 2^-104 lose bits: they hardly count)
       const V up = Vec::set1(std::ldexp(1.f, E));
       const I half = IVec::set1(1 << (DB - 1)), mask = IVec::set1((1 << DB) - 1);
-      I ds[kDigits] = {IVec::zero(), IVec::zero(), IVec::zero()};
+      I ds[2][kDigits];  // per half of the block (a vector of kL <= 16 k lies in one half)
+      for (auto& h : ds) h[0] = h[1] = h[2] = IVec::zero();
 #pragma GCC unroll 4
       for (int k = 0; k < kBlockK; k += kL) {
         const I X = IVec::round(Vec::mul(Vec::load(v + k), up));  // v 2^E is exact: only the rounding
@@ -137,12 +140,17 @@ void to_digits(const float* x, int64_t M, int64_t K, int32_t* digits, XBlock* xb
         IVec::store_bytes(d + k, d0);
         IVec::store_bytes(d + kBlockK + k, d1);
         IVec::store_bytes(d + 2 * kBlockK + k, d2);
-        ds[0] = IVec::add(ds[0], d0), ds[1] = IVec::add(ds[1], d1), ds[2] = IVec::add(ds[2], d2);
+        I* dh = ds[k / (kBlockK / 2)];
+        dh[0] = IVec::add(dh[0], d0), dh[1] = IVec::add(dh[1], d1), dh[2] = IVec::add(dh[2], d2);
       }
-      for (int j = 0; j < kDigits; ++j) b.dsum[j] = static_cast<int32_t>(Vec::reduce_add(IVec::to_float(ds[j])));
-      const int32_t sx = b.dsum[2] * (1 << (2 * DB)) + b.dsum[1] * (1 << DB) + b.dsum[0];  // the sum of X, exactly
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < kDigits; ++j) b.dsum[h][j] = static_cast<int32_t>(Vec::reduce_add(IVec::to_float(ds[h][j])));
+      // the sum of X, exactly
+      const int32_t sx = b.digit_sum(2) * (1 << (2 * DB)) + b.digit_sum(1) * (1 << DB) + b.digit_sum(0);
       b.p = std::ldexp(1.f, -E);
       b.sxp = static_cast<float>(sx) * b.p;
+      for (int h = 0; h < 2; ++h)
+        b.sxph[h] = static_cast<float>(b.dsum[h][2] * (1 << (2 * DB)) + b.dsum[h][1] * (1 << DB) + b.dsum[h][0]) * b.p;
     }
   });
 }
@@ -172,7 +180,11 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 
 // Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
 // columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
-template <int BITS, bool F16, int MR, int NV>
+// H: groups of scales per block of k, 1 (groups of 32 k or more) or 2 (8-bit codes scaled per
+// 16 k: each half of a block is summed and scaled on its own). MINS: 8-bit codes are unsigned
+// with minimums of their own (else signed, held + 128, the minimum -128 scale implied); 4-bit
+// codes always have minimums.
+template <int BITS, bool F16, int MR, int NV, int H, bool MINS>
 KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
                               int64_t b, int64_t h, float* y, int64_t N, int64_t cols) {
   constexpr int64_t kPass = NV * kL;
@@ -180,18 +192,23 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
   constexpr int DB = kDigitBits<BITS>;
   const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
-  // blocks of k per group of scales (a multiple of 32, or the whole row: quant_matrix checks)
-  const int64_t per_group = groups == 1 ? blocks : w.group / kBlockK;
+  static_assert(H == 1 || (H == 2 && BITS == 8), "groups of 16 k are for 8-bit codes");
+  constexpr bool kOffset = BITS == 8 && !MINS;  // signed codes held + 128
+  // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
+  const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
   const int32_t* qw = w.q + b * (K / P) * kPackedCols + h;
   V tot[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR * NV; ++i) tot[i / NV][i % NV] = Vec::zero();
-  for (int64_t blk = 0, g = 0, in_group = 0; blk < blocks; ++blk) {
+  for (int64_t blk = 0, g = 0, in_group = 0; blk < blocks; ++blk)
+#pragma GCC unroll 2
+   for (int hf = 0; hf < H; ++hf) {
     I acc[MR][kDigits][NV];
     zero(acc);
     const int32_t* xd = digits + blk * kBlockInts;
-    const int nw = static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
-    for (int wi = 0; wi < nw; ++wi, qw += kPackedCols) {
+    // (H = 2: K is a multiple of 32, every block whole)
+    const int nw = H == 2 ? kWords / 2 * (hf + 1) : static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
+    for (int wi = H == 2 ? kWords / 2 * hf : 0; wi < nw; ++wi, qw += kPackedCols) {
       // a k-word is 128 bytes, two cache lines (past the block's end: the next block, or nothing to fault)
       _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords), _MM_HINT_T0);
       if constexpr (kPass * 4 > 64) _mm_prefetch(reinterpret_cast<const char*>(qw + kAheadWords + 16), _MM_HINT_T0);
@@ -208,28 +225,30 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
         dot_plane<MR, NV>(acc, hi, xd, stride, 2 * wi + 1);
       }
     }
-    qw += (kWords - nw) * kPackedCols;
-    const int64_t at = (b * groups + g) * kPackedCols + h;
-    if (++in_group == per_group) ++g, in_group = 0;
+    if (H == 1) qw += (kWords - nw) * kPackedCols;
+    const int64_t at = (b * groups + (H == 2 ? 2 * blk + hf : g)) * kPackedCols + h;
+    if (H == 1 && ++in_group == per_group) ++g, in_group = 0;
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
       const V d = load_scale<F16>(w.scales, at + c * kL);
-      const V mn = BITS == 4 ? load_scale<F16>(w.mins, at + c * kL) : Vec::zero();
+      const V mn = kOffset ? Vec::zero() : load_scale<F16>(w.mins, at + c * kL);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const XBlock& xm = xb[m * blocks + blk];
         I s[kDigits];
 #pragma GCC unroll 3
         for (int j = 0; j < kDigits; ++j) {
-          if constexpr (BITS == 8)
-            s[j] = IVec::sub(acc[m][j][c], IVec::set1(128 * xm.dsum[j]));
+          if constexpr (kOffset)
+            s[j] = IVec::sub(acc[m][j][c], IVec::set1(128 * (H == 2 ? xm.dsum[hf][j] : xm.digit_sum(j))));
+          else if constexpr (BITS == 8)
+            s[j] = acc[m][j][c];
           else
             s[j] = IVec::finish(acc[m][j][c]);
         }
         const V sum = Vec::fmadd(IVec::to_float(s[2]), Vec::set1(static_cast<float>(1 << (2 * DB))),
                                  IVec::to_float(IVec::add(IVec::template shl<DB>(s[1]), s[0])));
         tot[m][c] = Vec::fmadd(sum, Vec::mul(d, Vec::set1(xm.p)), tot[m][c]);
-        if constexpr (BITS == 4) tot[m][c] = Vec::fmadd(Vec::set1(xm.sxp), mn, tot[m][c]);
+        if constexpr (!kOffset) tot[m][c] = Vec::fmadd(Vec::set1(H == 2 ? xm.sxph[hf] : xm.sxp), mn, tot[m][c]);
       }
     }
   }
@@ -241,33 +260,32 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
 }
 
 // Rows [0, MR) against block b of W (`cols` of its columns valid), pass by pass.
-template <int BITS, bool F16, int MR>
+template <int BITS, bool F16, int H, bool MINS, int MR>
 void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w, int64_t b, float* y,
           int64_t N, int64_t cols) {
   constexpr int64_t pass = kNV<MR> * kL;
   for (int64_t h = 0; h < cols; h += pass)
-    tile_pass<BITS, F16, MR, kNV<MR>>(digits, xb, stride, w, b, h, y, N, cols);
+    tile_pass<BITS, F16, MR, kNV<MR>, H, MINS>(digits, xb, stride, w, b, h, y, N, cols);
 }
 
-template <int BITS, bool F16>
 using TileFn = void (*)(const int32_t*, const XBlock*, int64_t, const QuantMatrix&, int64_t, float*, int64_t, int64_t);
 
-template <int BITS, bool F16, int... R>
-constexpr std::array<TileFn<BITS, F16>, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile<BITS, F16, R + 1>...};
+template <int BITS, bool F16, int H, bool MINS, int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &tile<BITS, F16, H, MINS, R + 1>...};
 }
 
-template <int BITS, bool F16>
+template <int BITS, bool F16, int H = 1, bool MINS = BITS == 4>
 void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   constexpr int R = kRows<BITS>;
-  static constexpr auto table = tile_table<BITS, F16>(std::make_integer_sequence<int, R>{});
+  static constexpr auto table = tile_table<BITS, F16, H, MINS>(std::make_integer_sequence<int, R>{});
   const int64_t N = w.n, K = w.k, blocks = (K + kBlockK - 1) / kBlockK;
   const int64_t wblocks = (N + kPackedCols - 1) / kPackedCols, stride = blocks * kBlockInts;
   std::vector<int32_t> digits(M * stride);
   std::vector<XBlock> xb(M * blocks);
   to_digits<kDigitBits<BITS>>(x, M, K, digits.data(), xb.data(), threads);
   // chunks of rows whose digits stay in L2 (~256 KiB) while every block of W passes them
-  const int64_t cap = std::max<int64_t>(R, (256 << 10) / (4 * stride + 20 * blocks) / R * R);
+  const int64_t cap = std::max<int64_t>(R, (256 << 10) / (4 * stride + static_cast<int64_t>(sizeof(XBlock)) * blocks) / R * R);
   const int64_t chunks = (M + cap - 1) / cap, chunk_rows = (M + chunks - 1) / chunks;
   par_for(chunks * wblocks, M <= R ? 2 : 1, threads, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
@@ -286,15 +304,23 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
 
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   if (M <= 0) return;
+  const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
   if (w.bits == 4 && w.f16)
     matmul_fmt<4, true>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
-  else if (w.bits == 8 && w.f16)
-    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0
-  else if (w.bits == 8)
+  else if (w.bits == 4)
+    matmul_fmt<4, false>(x, w, y, M, threads);  // Q4_K: fp32 scales and minimums per 32 k
+  else if (w.f16 && !w.mins)
+    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0 (and Q5_0)
+  else if (w.f16)
+    matmul_fmt<8, true, 1, true>(x, w, y, M, threads);  // Q5_1: unsigned codes, fp16 minimums
+  else if (!w.mins && g16)
+    matmul_fmt<8, false, 2>(x, w, y, M, threads);  // Q6_K: an fp32 scale per 16 k
+  else if (!w.mins)
     matmul_fmt<8, false>(x, w, y, M, threads);  // int8, one fp32 scale per row
+  else if (g16)
+    matmul_fmt<8, false, 2, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 16 k
   else
-    TORCH_CHECK(false, "matmul_quant: no kernel for ", w.bits, "-bit codes with ", w.f16 ? "fp16" : "fp32",
-                " scales");
+    matmul_fmt<8, false, 1, true>(x, w, y, M, threads);  // Q5_K: fp32 minimums per 32 k
 }
 
 QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t k,
@@ -311,12 +337,16 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
                   scales.size(0) == blocks && scales.size(1) > 0 && k % scales.size(1) == 0 &&
                   (k / scales.size(1)) % per == 0 && scales.size(2) == kPackedCols,
               what, ": scales of shape ", scales.sizes(), " do not fit codes of shape ", q.sizes());
-  TORCH_CHECK(k / scales.size(1) % 32 == 0 || scales.size(1) == 1, what, ": a group of ", k / scales.size(1),
-              " k is neither a multiple of 32 nor the whole row");
-  TORCH_CHECK(mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
-                  mins.sizes() == scales.sizes(),
-              what, ": minimums must have the scales' type and shape");
-  return {q.data_ptr<int32_t>(), scales.data_ptr(), mins.data_ptr(), n, k, k / scales.size(1),
+  const int64_t group = k / scales.size(1);
+  TORCH_CHECK(group % 32 == 0 || scales.size(1) == 1 || (group == 16 && bits == 8 && !f16 && k % 32 == 0), what,
+              ": a group of ", group, " k is neither a multiple of 32 nor the whole row (nor 16, for 8-bit codes "
+              "with fp32 scales and k a multiple of 32)");
+  // 8-bit codes without minimums (an empty tensor): signed, held + 128, the minimum -128 scale
+  const bool no_mins = bits == 8 && mins.defined() && mins.numel() == 0;
+  TORCH_CHECK(no_mins || (mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
+                          mins.sizes() == scales.sizes()),
+              what, ": minimums must have the scales' type and shape (or, for 8-bit codes, be empty)");
+  return {q.data_ptr<int32_t>(), scales.data_ptr(), no_mins ? nullptr : mins.data_ptr(), n, k, group,
           static_cast<int>(bits), f16};
 }
 
@@ -360,7 +390,7 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
     float* row = out + t * K;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
-      const float d = scale(w.scales, at), mn = scale(w.mins, at);
+      const float d = scale(w.scales, at), mn = w.mins ? scale(w.mins, at) : -128.f * d;  // (exact)
       for (int64_t k = g * G; k < (g + 1) * G; k += per) {
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
         for (int64_t j = 0; j < per; ++j) {

@@ -9,10 +9,12 @@
 //   q[b][k / per][c]          W's codes at (32 b + c, k) for per consecutive k: 8 bits, byte k % per;
 //                             4 bits, byte j = k % 4 of the word, k % 8 = j in its low nibble, j + 4 its high
 //   scales[b][k / group][c]   fp16 (a GGUF's own) or fp32 (int8 made at load)
-//   mins[b][k / group][c]     the same type
+//   mins[b][k / group][c]     the same type; for 8-bit codes, absent (an empty tensor) where
+//                             the codes are signed bytes held + 128 (Q8_0, Q5_0, Q6_K, int8)
 //
-// so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits; the
-// signed bytes of Q8_0 and int8 are held + 128, with min = -128 scale, exact).
+// so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits), and
+// without minimums min = -128 scale, exact. group: 32 or more (or the whole
+// row), or 16 for 8-bit codes with fp32 scales (Q6_K).
 // A k-word of a block is 32 words = 128 bytes, read as vector-sized runs of
 // columns; a word's codes are bytes as they are (8 bits) or one mask (and a
 // shift) away (4 bits), for all lanes at once, with no shuffles.
@@ -28,7 +30,7 @@ namespace kvrelay {
 struct QuantMatrix {
   const int32_t* q;
   const void* scales;
-  const void* mins;
+  const void* mins;  // null: 8-bit signed codes held + 128
   int64_t n, k, group;
   int bits;          // 8: bytes, 4: nibbles
   bool f16;          // scales and mins are fp16 (else fp32)

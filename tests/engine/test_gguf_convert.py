@@ -75,15 +75,20 @@ def add_tiny_metadata(writer, cfg) -> None:
 
 
 def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None = None,
-                    tie: bool = False, arch: str | None = None) -> dict[str, torch.Tensor]:
+                    tie: bool = False, arch: str | None = None, **overrides) -> dict[str, torch.Tensor]:
     """Save a tiny random `kind` model as GGUF, the way llama.cpp would; return its state dict.
 
-    qtypes maps a substring of HF tensor names to the type to store them in (default F32).
+    qtypes maps a substring of HF tensor names to the type to store them in (default F32); the
+    k-quants (rows of a multiple of 256: pass hidden_size and intermediate_size in `overrides`)
+    are written by tests/engine/kquants.py.
     """
     from transformers import AutoModelForCausalLM
 
+    from tests.engine import kquants
+
     torch.manual_seed(0)
-    cfg = tiny_hf_config(kind, vocab_size=len(tiny_vocab()[0]), tie_word_embeddings=tie, rope_theta=5000.0)
+    cfg = tiny_hf_config(kind, vocab_size=len(tiny_vocab()[0]), tie_word_embeddings=tie, rope_theta=5000.0,
+                         **overrides)
     state = AutoModelForCausalLM.from_config(cfg).state_dict()
 
     writer = gguf.GGUFWriter(path, arch or kind)
@@ -100,7 +105,8 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None
         qtype = next((q for key, q in (qtypes or {}).items() if key in name), Q.F32)
         if w.ndim == 1:
             qtype = Q.F32  # llama.cpp keeps norms and biases in F32
-        writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        raw = kquants.quantize(w, qtype.name) if qtype.name.endswith("_K") else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import ISA_NAMES, QuantOps, load_native_ops
+from engine.kernels import ISA_NAMES, QuantOps, cpu_isas, load_native_ops
 from engine.quant import QuantError, QuantRows, QuantWeight, gguf_rows, quantize_int8
 from tests.conftest import require_isa
 
-FORMATS = ("q8_0", "q4_1", "q4_0", "int8")
+# q8_0, q5_0, q6_k, int8: signed bytes; q5_1, q5_k: unsigned bytes with minimums; mixed: parts in
+# several formats widened to one; q6_k and mixed (with a q6_k part) scaled per 16 k
+FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "mixed")
 
 
 @pytest.fixture(scope="session", params=ISA_NAMES)
@@ -31,12 +33,24 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
     g = torch.Generator().manual_seed(seed)
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=g) * 0.05)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
-    if fmt == "q8_0":
-        return QuantRows("q8_0", 8, torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
+    if fmt == "mixed":  # q|k|v of a llama.cpp Q4_K_M layer: q4_k, q6_k and q8_0 parts
+        a, b = max(n // 3, 1), max(2 * n // 3, 1)
+        parts = [_rows(f, r, k, seed + i) for i, (f, r) in enumerate([("q4_k", a), ("q6_k", b - a), ("q8_0", n - b)])]
+        return QuantRows.cat([p for p in parts if p.shape[0]], "t")
+    group = 16 if fmt == "q6_k" else 32
+    d = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    d = d.half() if fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") else d.half().float() * torch.randint(
+        1, 64, d.shape, generator=g)  # the k-quants: an fp16 times a 6-bit scale, in fp32
+    m = torch.randn(n, k // 32, generator=g) * 0.1
+    if fmt in ("q8_0", "q5_0", "q6_k"):
+        lo = {"q8_0": -128, "q5_0": -16, "q6_k": -32}[fmt]
+        return QuantRows(fmt, 8, torch.randint(lo, -lo, (n, k), generator=g, dtype=torch.int8), d)
+    if fmt in ("q5_1", "q5_k"):
+        codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
+        return QuantRows(fmt, 8, codes, d, m.to(d.dtype))
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-    m = -8 * d if fmt == "q4_0" else (torch.randn(n, k // 32, generator=g) * 0.1).half()
-    return QuantRows("q4_1", 4, codes, d, m)
+    m = -8 * d if fmt == "q4_0" else m.to(d.dtype)
+    return QuantRows("q4_k" if fmt == "q4_k" else "q4_1", 4, codes, d, m)
 
 
 def _ref(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
@@ -62,23 +76,57 @@ def test_packing_keeps_every_value(fmt):
     torch.testing.assert_close(p.dequantize(), w.dequantize(), rtol=1e-6, atol=1e-7)
     ids = torch.tensor([0, 31, 32, 69, 5, 5])
     assert torch.equal(p.rows(ids), p.dequantize()[ids])
-    assert not p.scales[2, :, 6:].float().any() and not p.mins[2, :, 6:].float().any()  # padding rows are zero
+    assert not p.scales[2, :, 6:].float().any()  # padding rows are zero
+    assert (not p.mins[2, :, 6:].float().any()) if p.mins.numel() else (w.bits == 8 and w.mins is None)
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                                   gguf.GGMLQuantizationType.Q4_1])
+Q = gguf.GGMLQuantizationType
+
+
+def _gguf_dequantized(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
-    """The row form of a GGUF tensor's raw blocks holds the values gguf's own dequantize gives."""
-    w = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
-    raw = gguf.quants.quantize(w, qtype)
-    rows = gguf_rows(raw, qtype.name, (40, 96), "t")
-    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(40, 96))
-    torch.testing.assert_close(rows.dequantize(), want, rtol=1e-6, atol=1e-7)
+    """The row form of a GGUF tensor's raw blocks holds exactly the values gguf's own dequantize
+    gives: blocks quantized from weights (the k-quants by tests/engine/kquants.py), and for the
+    k-quants also random bytes, every bit of their packed scales, minimums and codes in play."""
+    from tests.engine import kquants
+
+    n, k = 40, 512
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    raws = [kquants.quantize(w, qtype.name) if qtype.name.endswith("_K") else gguf.quants.quantize(w, qtype)]
+    if qtype.name.endswith("_K"):
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = np.random.default_rng(1).integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+        at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}[qtype.name]  # the fp16 d (and dmin): finite
+        for i, v in zip(at, (0.004, 0.002)):
+            raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+        raws.append(raw.reshape(n, -1))
+    for raw in raws:
+        rows = gguf_rows(raw, qtype.name, (n, k), "t")
+        assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
+    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q4_K") else 8)
 
 
 def test_an_unsupported_gguf_block_type_is_named():
-    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*Q6_K.*keeps Q8_0, Q4_0, Q4_1"):
-        gguf_rows(np.zeros((4, 210), np.uint8), "Q6_K", (4, 256), "tensor 'blk.0.ffn_up.weight'")
+    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*Q3_K.*keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+        gguf_rows(np.zeros((4, 110), np.uint8), "Q3_K", (4, 256), "tensor 'blk.0.ffn_up.weight'")
+    with pytest.raises(QuantError, match=r"Q4_K rows of 96 weights are not whole blocks of 256"):
+        gguf_rows(np.zeros((4, 54), np.uint8), "Q4_K", (4, 96), "t")
+
+
+def test_parts_in_several_formats_are_widened_to_one_with_the_same_values():
+    """q|k|v stored as q4_k, q6_k and q8_0 (llama.cpp's Q4_K_M mixes them so): one 8-bit
+    format scaled per 16 k whose values are each part's, exactly; parts in one format stay in it."""
+    parts = [_rows("q4_k", 8, 64, 1), _rows("q6_k", 4, 64, 2), _rows("q8_0", 4, 64, 3), _rows("q5_1", 2, 64, 4)]
+    fused = QuantRows.cat(parts, "qkv")
+    assert (fused.fmt, fused.bits, fused.group, fused.codes.dtype) == ("mixed", 8, 16, torch.uint8)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert torch.equal(QuantWeight.pack(fused).dequantize(), fused.dequantize())
+    same = QuantRows.cat(parts[:1] * 2, "gate_up")
+    assert same.fmt == "q4_k" and same.group == 32
 
 
 def test_int8_is_per_row_symmetric():
@@ -135,6 +183,19 @@ def test_linear_quant_rows_do_not_depend_on_the_batch(quant_ops, fmt):
         assert torch.equal(quant_ops.linear(x[lo:hi], p), full[lo:hi])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_isa_path_gives_the_same_bits(fmt):
+    """The products are exact integers and the rest is the same fp32 arithmetic in the same
+    order, so the AVX-512 and AVX2 paths agree to the bit, decode rows and prefill alike."""
+    isas = [i for i in ISA_NAMES if i in cpu_isas()]
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs one ISA path ({', '.join(isas)})")
+    p = QuantWeight.pack(_rows(fmt, 100, 576, seed=9))
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(10))
+    outs = [QuantOps(load_native_ops(i)).linear(x[:m], p) for i in isas for m in (1, 70)]
+    assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
+
+
 def test_linear_quant_threads_agree(quant_ops):
     p = QuantWeight.pack(_rows("q4_1", 200, 576, seed=7))
     x = torch.randn(20, 576)
@@ -151,8 +212,15 @@ def test_linear_quant_rejects_a_mismatched_weight(quant_ops):
         quant_ops.ext.linear_quant(torch.randn(2, 96), p.q, p.scales, p.mins, 64, 5)
     with pytest.raises(RuntimeError, match="fp32"):
         quant_ops.ext.linear_quant(torch.randn(2, 96).bfloat16(), p.q, p.scales, p.mins, 64, 8)
+    p4 = QuantWeight.pack(_rows("q4_1", 64, 96))
     with pytest.raises(RuntimeError, match="minimums"):
-        quant_ops.ext.linear_quant(torch.randn(2, 96), p.q, p.scales, p.mins.float(), 64, 8)
+        quant_ops.ext.linear_quant(torch.randn(2, 96), p4.q, p4.scales, p4.mins.float(), 64, 4)
+    with pytest.raises(RuntimeError, match="minimums"):  # only 8-bit codes may come without them
+        quant_ops.ext.linear_quant(torch.randn(2, 96), p4.q, p4.scales, p4.mins[:0], 64, 4)
+    six = QuantWeight.pack(_rows("q6_k", 64, 96))
+    with pytest.raises(RuntimeError, match="a group of 16 k"):  # scaled per 16 k, but k not whole blocks of 32
+        quant_ops.ext.linear_quant(torch.randn(2, 48), six.q[:, :12].contiguous(), six.scales[:, :3].contiguous(),
+                                  six.mins, 64, 8)
     with pytest.raises(QuantError, match="multiples of 8"):
         QuantWeight.pack(QuantRows("q4_1", 4, torch.zeros(4, 36, dtype=torch.int8), torch.ones(4, 1).half(),
                                    torch.zeros(4, 1).half()))

@@ -171,6 +171,34 @@ def test_a_tiny_gguf_of_each_kept_type_answers_like_its_fp32_conversion(tmp_path
     assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conversion(tmp_path, quant_isa, tie):
+    """A file laid out like llama.cpp's Q4_K_M and Q5_K_M (q and k Q4_K beside a Q6_K v, Q5_K,
+    Q5_1 and Q5_0, a Q6_K down projection and LM head; tied: a Q6_K embedding read by rows):
+    every part kept in its format or, where a fused matmul's parts differ, widened to one;
+    the same greedy tokens as the dequantized fp32 model."""
+    import gguf
+
+    from tests.engine.factories import random_prompts
+    from tests.engine.test_gguf_convert import write_tiny_gguf
+
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / "m.gguf"
+    qtypes = {"self_attn.v_proj": Q.Q6_K, "self_attn.o_proj": Q.Q5_K, "self_attn": Q.Q4_K, "mlp.down": Q.Q6_K,
+              "mlp.gate": Q.Q5_1, "mlp.up": Q.Q5_0, "lm_head": Q.Q6_K, "embed": Q.Q6_K if tie else Q.Q8_0}
+    write_tiny_gguf(path, qtypes=qtypes, tie=tie, hidden_size=256, intermediate_size=512)
+    kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
+    q = LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw)
+    m = q.core.model
+    L = m.layers[0]
+    assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt, m.lm_head.fmt] == \
+        ["mixed", "q5_k", "mixed", "q6_k", "q6_k"]
+    ref = LLM(str(path), dtype="float32", **kw)
+    prompts = random_prompts(3, 96, [4, 20])
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(quantization="q4"), "quantization: must be one of"),
     (dict(quantization="int8", dtype="bfloat16"), "fp32 activations.*dtype must be 'auto' or 'float32'"),
