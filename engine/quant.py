@@ -77,40 +77,54 @@ class QuantRows:
             return self.codes.float() * d
         return torch.addcmul(self.mins.float().repeat_interleave(self.group, dim=1), self.codes.float(), d)
 
-    def widened(self, group: int) -> QuantRows:
-        """The same values as unsigned 8-bit codes with fp32 scales and minimums per `group` k (a
-        divisor of this group): 4-bit and 5-bit codes as they are; signed bytes moved up by the
-        smallest power of two (32, 64 or 128) that makes them unsigned, with minimum -that x scale.
-        Every value is exact: fp16 widened to fp32, products of scales with powers of two."""
-        codes, mins = self.codes.to(torch.int16), None if self.mins is None else self.mins.float()
-        scales = self.scales.float()
-        if mins is None:
-            low = int(codes.min()) if codes.numel() else 0
-            off = next(o for o in (32, 64, 128) if low >= -o)
-            codes, mins = codes + off, scales * -off
-        r = self.group // group
-        return QuantRows("mixed", 8, codes.to(torch.uint8), scales.repeat_interleave(r, dim=1).contiguous(),
-                         mins.repeat_interleave(r, dim=1).contiguous())
+    @property
+    def form(self) -> tuple:
+        """What the kernel needs to know of a weight: code bits, block of k per scale, the scales'
+        dtype, and whether the codes are signed bytes (8-bit, no minimums)."""
+        return (self.bits, self.group, self.scales.dtype, self.mins is None)
 
     @staticmethod
     def cat(parts: list[QuantRows], what: str) -> QuantRows:
-        """Rows of `parts` one after the other (q|k|v, gate|up). Parts in one format are joined as
-        they are; parts in several (a GGUF's Q4_K q and k beside a Q6_K v, as llama.cpp's Q4_K_M
-        writes) are each widened to one format the kernel takes (`widened`): 8-bit codes with fp32
-        scales and minimums per 16 or 32 k, the same values in more bytes."""
+        """Rows of `parts` one after the other (q|k|v, gate|up). Parts the kernel reads alike (one
+        `form`: Q5_0 beside Q8_0, say) are joined as they are. Parts it does not (llama.cpp's Q4_K_M
+        puts a Q6_K v beside Q4_K q and k) are first brought to one form that holds every part's
+        values exactly: 4-bit codes if all are, else 8-bit (unsigned with minimums, unless all are
+        signed); fp16 scales if all are, else fp32; the block of k their blocks share (16 or 32)."""
+        if len({p.form for p in parts}) > 1:
+            parts = _common_form(parts, what)
         first = parts[0]
-        if any((p.fmt, p.group, p.scales.dtype) != (first.fmt, first.group, first.scales.dtype) for p in parts):
-            group = math.gcd(*(p.group for p in parts))
-            if group % 16:
-                raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k have no "
-                                 "common block of 16 or 32 k to widen them to")
-            log.info("%s: parts stored as %s, widened to 8-bit codes per %d k to be fused", what,
-                     "/".join(p.fmt for p in parts), group)
-            parts = [p.widened(group) for p in parts]
-            first = parts[0]
-        return QuantRows(first.fmt, first.bits, torch.cat([p.codes for p in parts]),
-                         torch.cat([p.scales for p in parts]),
+        return QuantRows("+".join(dict.fromkeys(p.fmt for p in parts)), first.bits,
+                         torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                          None if first.mins is None else torch.cat([p.mins for p in parts]))
+
+
+def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
+    """`parts` in one form (QuantRows.cat), the values unchanged: widening fp16 to fp32 and 4-bit codes
+    to bytes is exact, and signed bytes become unsigned by adding the smallest power of two (32, 64
+    or 128) that does, with the minimum -that x scale (a product with a power of two: exact)."""
+    group = math.gcd(*(p.group for p in parts))
+    bits = 4 if all(p.bits == 4 for p in parts) else 8
+    signed = all(p.mins is None for p in parts)
+    if group % 32 and not (group == 16 and bits == 8):
+        raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k share no block of "
+                         "16 (8-bit codes) or 32 k that the kernel reads")
+    f16 = group % 32 == 0 and all(p.scales.dtype == torch.float16 and (signed or p.mins is not None) for p in parts)
+    dtype = torch.float16 if f16 else torch.float32
+    log.info("%s: parts stored as %s, read as %d-bit codes with %s scales per %d k to be fused", what,
+             "/".join(p.fmt for p in parts), bits, "fp16" if f16 else "fp32", group)
+    out = []
+    for p in parts:
+        codes, scales, mins = p.codes, p.scales.to(dtype), None if p.mins is None else p.mins.to(dtype)
+        if not signed and mins is None:
+            low = int(codes.min()) if codes.numel() else 0
+            off = next(o for o in (32, 64, 128) if low >= -o)
+            codes, mins = codes.to(torch.int16) + off, scales * -off
+        if not signed:
+            codes = codes.to(torch.uint8)
+        r = p.group // group
+        out.append(QuantRows(p.fmt, bits, codes, scales.repeat_interleave(r, dim=1).contiguous(),
+                             None if mins is None else mins.repeat_interleave(r, dim=1).contiguous()))
+    return out
 
 
 def fuse_rows(parts: list, what: str):

@@ -33,7 +33,7 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
     g = torch.Generator().manual_seed(seed)
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=g) * 0.05)
-    if fmt == "mixed":  # q|k|v of a llama.cpp Q4_K_M layer: q4_k, q6_k and q8_0 parts
+    if fmt == "mixed":  # q|k|v of a llama.cpp Q4_K_M layer: q4_k, q6_k and q8_0 parts, read as one form
         a, b = max(n // 3, 1), max(2 * n // 3, 1)
         parts = [_rows(f, r, k, seed + i) for i, (f, r) in enumerate([("q4_k", a), ("q6_k", b - a), ("q8_0", n - b)])]
         return QuantRows.cat([p for p in parts if p.shape[0]], "t")
@@ -117,16 +117,25 @@ def test_an_unsupported_gguf_block_type_is_named():
         gguf_rows(np.zeros((4, 54), np.uint8), "Q4_K", (4, 96), "t")
 
 
-def test_parts_in_several_formats_are_widened_to_one_with_the_same_values():
-    """q|k|v stored as q4_k, q6_k and q8_0 (llama.cpp's Q4_K_M mixes them so): one 8-bit
-    format scaled per 16 k whose values are each part's, exactly; parts in one format stay in it."""
-    parts = [_rows("q4_k", 8, 64, 1), _rows("q6_k", 4, 64, 2), _rows("q8_0", 4, 64, 3), _rows("q5_1", 2, 64, 4)]
+@pytest.mark.parametrize("fmts, form", [
+    (("q4_k", "q6_k", "q8_0", "q5_1"), (8, 16, torch.float32, False)),  # llama.cpp's Q4_K_M q|k|v, and more
+    (("q5_0", "q8_0"), (8, 32, torch.float16, True)),  # read alike: joined as they are
+    (("q4_1", "q4_k", "q4_0"), (4, 32, torch.float32, False)),  # 4-bit codes stay 4-bit
+    (("q6_k", "q8_0"), (8, 16, torch.float32, True)),  # signed bytes stay signed
+    (("q5_0", "q5_1"), (8, 32, torch.float32, False)),
+    (("q4_k", "q4_k"), (4, 32, torch.float32, False)),
+])
+def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):
+    """q|k|v or gate|up whose parts are stored in different formats are read in one form that holds
+    every part's values exactly, as few bytes as that allows, and the kernel computes their matmul."""
+    parts = [_rows(f, 8 + 4 * i, 64, i) for i, f in enumerate(fmts)]
     fused = QuantRows.cat(parts, "qkv")
-    assert (fused.fmt, fused.bits, fused.group, fused.codes.dtype) == ("mixed", 8, 16, torch.uint8)
+    assert fused.form == form and fused.fmt == "+".join(dict.fromkeys(p.fmt for p in parts))
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    assert torch.equal(QuantWeight.pack(fused).dequantize(), fused.dequantize())
-    same = QuantRows.cat(parts[:1] * 2, "gate_up")
-    assert same.fmt == "q4_k" and same.group == 32
+    p = QuantWeight.pack(fused)
+    assert torch.equal(p.dequantize(), fused.dequantize())
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    _close(quant_ops.linear(x, p), _ref(x, fused), 64)
 
 
 def test_int8_is_per_row_symmetric():

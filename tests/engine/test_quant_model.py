@@ -192,7 +192,7 @@ def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conve
     m = q.core.model
     L = m.layers[0]
     assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt, m.lm_head.fmt] == \
-        ["mixed", "q5_k", "mixed", "q6_k", "q6_k"]
+        ["q4_k+q6_k", "q5_k", "q5_1+q5_0", "q6_k", "q6_k"]
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
