@@ -80,11 +80,11 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None
 
     qtypes maps a substring of HF tensor names to the type to store them in (default F32); the
     k-quants (rows of a multiple of 256: pass hidden_size and intermediate_size in `overrides`)
-    are written by tests/engine/kquants.py.
+    are written by engine/kquants.py.
     """
     from transformers import AutoModelForCausalLM
 
-    from tests.engine import kquants
+    from engine import kquants
 
     torch.manual_seed(0)
     cfg = tiny_hf_config(kind, vocab_size=len(tiny_vocab()[0]), tie_word_embeddings=tie, rope_theta=5000.0,
@@ -282,3 +282,44 @@ def test_default_model_equals_transformers_gguf_loader(default_model_dir):
 
     for name, value in tensors.items():
         assert torch.equal(value, reference[name]), name
+
+
+def test_q4_k_m_layout_follows_llama_cpp():
+    """engine.kquants' benchmark files take llama.cpp's Q4_K_M types: more bits for the LM head and
+    for attn_v / ffn_down in the first and last eighth of the layers and every third between, and
+    the legacy types where a row is not whole super-blocks of 256."""
+    from engine.kquants import q4_k_m_type
+
+    assert [q4_k_m_type(f"blk.{i}.ffn_down.weight", 1536, 30, True) for i in (0, 2, 3, 4, 5, 8, 25, 26, 29)] == \
+        ["Q6_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert q4_k_m_type("blk.5.attn_v.weight", 576, 30, True) == "Q8_0"  # Q6_K, but 576 is not 256-divisible
+    assert q4_k_m_type("blk.4.attn_q.weight", 576, 30, True) == "Q5_0"
+    assert q4_k_m_type("blk.4.attn_q.weight", 2048, 30, True) == "Q4_K"
+    assert q4_k_m_type("output.weight", 2048, 30, True) == "Q6_K"
+    assert q4_k_m_type("token_embd.weight", 2048, 30, False) == "Q6_K"  # tied: the embedding is the LM head
+    assert q4_k_m_type("token_embd.weight", 2048, 30, True) == "Q4_K"
+
+
+def test_a_requantized_gguf_loads_quantized_and_answers_like_its_fp32_conversion(tmp_path):
+    """`python -m engine.kquants` rewrites an F32 GGUF in the Q4_K_M mix; quantization 'gguf' keeps
+    every part (q|k|v fused across Q4_K and Q6_K in the last layer) and gives the fp32 tokens."""
+    import gguf as gg
+
+    from engine.kquants import main
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from tests.engine.factories import random_prompts
+
+    write_tiny_gguf(tmp_path / "f32.gguf", hidden_size=256, intermediate_size=512)
+    main([str(tmp_path / "f32.gguf"), str(tmp_path / "q4km.gguf")])
+    types = {t.name: t.tensor_type.name for t in gg.GGUFReader(tmp_path / "q4km.gguf").tensors}
+    assert (types["blk.0.attn_v.weight"], types["blk.1.attn_v.weight"], types["blk.0.attn_q.weight"],
+            types["output.weight"], types["blk.0.attn_norm.weight"]) == ("Q4_K", "Q6_K", "Q4_K", "Q6_K", "F32")
+    kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
+    q = LLM(str(tmp_path / "q4km.gguf"), quantization="gguf", **kw)
+    assert [L.qkv_w.fmt for L in q.core.model.layers] == ["q4_k", "q4_k+q6_k"]
+    ref = LLM(str(tmp_path / "q4km.gguf"), dtype="float32", **kw)
+    assert ref.tokenizer.encode("h e") == q.tokenizer.encode("h e")  # the metadata came along
+    prompts = random_prompts(3, 96, [4, 20])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]

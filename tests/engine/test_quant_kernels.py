@@ -90,9 +90,9 @@ def _gguf_dequantized(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     """The row form of a GGUF tensor's raw blocks holds exactly the values gguf's own dequantize
-    gives: blocks quantized from weights (the k-quants by tests/engine/kquants.py), and for the
+    gives: blocks quantized from weights (the k-quants by engine/kquants.py), and for the
     k-quants also random bytes, every bit of their packed scales, minimums and codes in play."""
-    from tests.engine import kquants
+    from engine import kquants
 
     n, k = 40, 512
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
