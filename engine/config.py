@@ -237,7 +237,7 @@ class EngineConfig:
     kernel_isa: str = "auto"
     # matmul weights kept quantized (engine/quant.py), computed on with fp32 activations by the
     # native CPU kernels: "none"; "int8", per-row int8 made at load from any checkpoint; "gguf",
-    # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as stored
+    # a GGUF file's own blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; engine/quant.py)
     quantization: str = "none"
     # mixture of experts at tensor_parallel_size > 1 (engine/parallel/moe.py): split the experts
     # across the ranks (attention stays tensor-parallel) instead of splitting every expert's
