@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
 # GGUF block type -> (weights per block, bytes per block, code bits as held)
-GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 8),
-                "Q5_1": (32, 24, 8), "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 8), "Q6_K": (256, 210, 8)}
+GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5),
+                "Q5_1": (32, 24, 5), "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8)}
 
 
 class QuantError(ValueError):
@@ -48,7 +48,7 @@ class QuantError(ValueError):
 class QuantRows:
     """A quantized [n, k] weight by rows. codes: [n, k], int8 signed bytes
     (bits 8 without mins), or unsigned codes as int8 or uint8 (0..15 for bits
-    4; 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
+    4, 0..31 for bits 5, and 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
     mins: the same, or None. W = codes * scales (+ mins), per group of `group`
     consecutive k."""
 
@@ -98,13 +98,28 @@ class QuantRows:
                          None if first.mins is None else torch.cat([p.mins for p in parts]))
 
 
+def _as_signed(p: QuantRows) -> QuantRows | None:
+    """`p` as signed bytes without minimums where its minimums are -2^i x its scales (Q4_0 and Q5_0,
+    held as unsigned codes with minimum -8 or -16 x scale), else None; signed parts as they are."""
+    if p.mins is None:
+        return p
+    for off in (8, 16, 32, 64, 128):
+        if torch.equal(p.mins.float(), p.scales.float() * -off):
+            return QuantRows(p.fmt, 8, (p.codes.to(torch.int16) - off).to(torch.int8), p.scales)
+    return None
+
+
 def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
-    """`parts` in one form (QuantRows.cat), the values unchanged: widening fp16 to fp32 and 4-bit codes
-    to bytes is exact, and signed bytes become unsigned by adding the smallest power of two (32, 64
-    or 128) that does, with the minimum -that x scale (a product with a power of two: exact)."""
+    """`parts` in one form (QuantRows.cat), the values unchanged: 4- and 5-bit codes are 5- and 8-bit
+    codes as they are, fp16 widens to fp32 exactly, and signed bytes become unsigned by adding the
+    smallest power of two (32, 64 or 128) that does, with the minimum -that x scale (exact), or
+    unsigned codes whose minimum is -2^i x scale become signed bytes (`_as_signed`)."""
     group = math.gcd(*(p.group for p in parts))
-    bits = 4 if all(p.bits == 4 for p in parts) else 8
-    signed = all(p.mins is None for p in parts)
+    bits = max(p.bits for p in parts)
+    bits = 8 if bits == 8 or group % 32 else bits
+    signed = bits == 8 and all(_as_signed(p) is not None for p in parts)
+    if signed:
+        parts = [_as_signed(p) for p in parts]
     if group % 32 and not (group == 16 and bits == 8):
         raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k share no block of "
                          "16 (8-bit codes) or 32 k that the kernel reads")
@@ -144,6 +159,12 @@ def quantize_int8(w: torch.Tensor) -> QuantRows:
     return QuantRows("int8", 8, codes.to(torch.int8), scale.contiguous())
 
 
+# 5-bit codes: where k = 8 wi + j of a block of 32 keeps its fifth bit in the block's word (j < 4:
+# bit 8 j + 4 + wi, else 8 (j - 4) + wi), so one shift and mask put word wi's bits in bit 4 of its
+# bytes (engine/csrc/quant.h)
+FIFTH_BIT = torch.tensor([[8 * j + 4 + wi if j < 4 else 8 * (j - 4) + wi for j in range(8)] for wi in range(4)])
+
+
 class QuantWeight:
     """A quantized [n, k] matmul weight in the native kernel's layout
     (engine/csrc/quant.h): q int32 [ceil(n/32), k / per, 32] (the unsigned
@@ -163,8 +184,8 @@ class QuantWeight:
     @classmethod
     def pack(cls, rows: QuantRows) -> QuantWeight:
         n, k = rows.shape
-        per = 32 // rows.bits
-        if k % per or rows.group % per:
+        per = 4 if rows.bits == 8 else 8 if rows.bits == 4 else 32  # 5 bits: whole blocks of 32
+        if k % per or rows.group % min(per, 16):
             raise QuantError(f"a {rows.fmt} weight needs k ({k}) and its block ({rows.group}) to be multiples "
                              f"of {per}")
         blocks = -(-n // BLOCK)
@@ -173,11 +194,19 @@ class QuantWeight:
         if rows.bits == 8 and mins is None:  # signed bytes -> unsigned, the minimum -128 x scale implied
             codes = (codes.to(torch.int16) + 128).to(torch.uint8)
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad))  # [blocks * 32, k]
-        if rows.bits == 4:  # byte j of a word: k = j in its low nibble, k = j + 4 in its high one
+        fifth = None
+        if rows.bits == 5:  # the fifth bits of each 32 k in one word: k 8 wi + j at bit FIFTH_BIT[wi, j]
+            bits = (codes >> 4).reshape(-1, k // 32, 4, 8).to(torch.int64) << FIFTH_BIT
+            fifth = bits.sum(dim=(-2, -1))  # [rows, k / 32], unsigned 32-bit values
+            fifth = (fifth - ((fifth >> 31) << 32)).to(torch.int32)  # the same bits as int32
+            codes = codes & 15
+        if rows.bits != 8:  # byte j of a word: k = j in its low nibble, k = j + 4 in its high one
             halves = codes.reshape(-1, k // 8, 2, 4)
             codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, k // 2)  # [rows, k / 2]
-        words = codes.contiguous().view(torch.int32)  # [rows, k / per], little-endian
-        q = words.reshape(blocks, BLOCK, k // per).transpose(1, 2).contiguous()
+        words = codes.contiguous().view(torch.int32)  # [rows, k / 4 or k / 8], little-endian
+        if fifth is not None:
+            words = torch.cat([words, fifth], dim=1)
+        q = words.reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
 
         def by_block(t):
             return F.pad(t, (0, 0, 0, pad)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
@@ -193,12 +222,18 @@ class QuantWeight:
         """What a matmul reads: codes, scales and minimums."""
         return self.q.nbytes + self.scales.nbytes + self.mins.nbytes
 
-    def _codes(self, q: torch.Tensor) -> torch.Tensor:  # int32 words [..., k / per] -> codes [..., k] float32
-        b = q.contiguous().view(torch.uint8)  # [..., k / per * 4]
+    def _codes(self, q: torch.Tensor) -> torch.Tensor:  # a column's int32 words [..., words] -> codes [..., k] float32
+        q = q.contiguous()
         if self.bits == 8:
-            return b.float()
+            return q.view(torch.uint8).float()
+        b = q[..., :self.k // 8].contiguous().view(torch.uint8)
         b = b.reshape(*b.shape[:-1], -1, 4)  # [..., k / 8, 4]: a word's bytes
-        return torch.cat([b & 15, b >> 4], dim=-1).flatten(-2).float()
+        codes = torch.cat([b & 15, b >> 4], dim=-1).flatten(-2)
+        if self.bits == 5:
+            hw = q[..., self.k // 8:].to(torch.int64) & 0xFFFFFFFF  # [..., k / 32]
+            bits = (hw[..., None, None] >> FIFTH_BIT) & 1  # [..., k / 32, 4, 8]
+            codes = codes + (bits.flatten(-3) << 4).to(codes.dtype)
+        return codes.float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows W[ids] [len(ids), k] float32 (the embedding lookup of a tied LM head)."""
@@ -258,12 +293,13 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         return QuantRows("q8_0", 8, t(raw[..., 2:].view(np.int8)), t(_f16(raw[..., :2])))
     if type_name == "Q5_0":  # d, 32 high bits (k j: bit j), 16 bytes of low nibbles (k j and j + 16 in byte j)
         high = (raw[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-        codes = (_nibbles(raw[..., 6:]) | (high << 4).astype(np.uint8)).astype(np.int16) - 16
-        return QuantRows("q5_0", 8, t(codes, np.int8), t(_f16(raw[..., :2])))
+        codes = _nibbles(raw[..., 6:]) | (high << 4).astype(np.uint8)
+        d = t(_f16(raw[..., :2]))
+        return QuantRows("q5_0", 5, t(codes, np.int8), d, -16 * d)  # W = d (code - 16): fp16 holds -16 d
     if type_name == "Q5_1":  # d, m, 32 high bits, 16 bytes of low nibbles: W = d code + m, codes 0..31
         high = (raw[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
         codes = _nibbles(raw[..., 8:]) | (high << 4).astype(np.uint8)
-        return QuantRows("q5_1", 8, t(codes, np.int8), t(_f16(raw[..., :2])), t(_f16(raw[..., 2:4])))
+        return QuantRows("q5_1", 5, t(codes, np.int8), t(_f16(raw[..., :2])), t(_f16(raw[..., 2:4])))
     if type_name in ("Q4_0", "Q4_1"):
         d = t(_f16(raw[..., :2]))
         codes = t(_nibbles(raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]), np.int8)
@@ -278,7 +314,7 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         sc, mn = _k_scales(raw[..., 4:16])
         high = (raw[..., 16:48].reshape(n, k // per, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
         codes = _nibbles(raw[..., 48:].reshape(n, k // per, 4, 32)).reshape(n, k // per, 8, 32) | (high << 4)
-        return QuantRows("q5_k", 8, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
+        return QuantRows("q5_k", 5, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 k), d. Each half of
     # 128 k: low nibbles of its 64 bytes for k 0-63, high nibbles for 64-127; its 32 high bytes hold
     # k 32 r + j in bits 2r, 2r + 1 of byte j.

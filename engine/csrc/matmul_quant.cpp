@@ -61,7 +61,8 @@ constexpr int kDigits = 3;                                 // signed digits of X
 constexpr int kQuads = kBlockK / 4;                        // 4-byte runs of one digit in a block
 constexpr int kBlockInts = kDigits * kQuads;               // a block's digits: [digit][k] bytes, as int32
 // Bits per digit: base 256 against 4-bit codes; base 128 against 8-bit codes, whose products
-// (code + 128 up to 255, |digit| up to 64) then pair without saturating vpmaddubsw on AVX2.
+// (code + 128 up to 255, |digit| up to 64) then pair without saturating vpmaddubsw on AVX2, and
+// against 5-bit codes, whose 8 pair sums a block adds in 16 bits (8 x 2 x 31 x 64 = 31744) then fit.
 template <int BITS>
 constexpr int kDigitBits = BITS == 4 ? 8 : 7;
 template <int DB>
@@ -76,7 +77,7 @@ template <int BITS>
 constexpr int kRows = 3;  // of 32 zmm: 18 sums, 6 totals, 2 words, 2 code planes, a digit
 #else
 template <int BITS>
-constexpr int kRows = BITS == 4 ? 2 : 1;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
+constexpr int kRows = BITS == 8 ? 1 : 2;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
 #endif
 
 // A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum over
@@ -183,12 +184,13 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 // H: groups of scales per block of k, 1 (groups of 32 k or more) or 2 (8-bit codes scaled per
 // 16 k: each half of a block is summed and scaled on its own). MINS: 8-bit codes are unsigned
 // with minimums of their own (else signed, held + 128, the minimum -128 scale implied); 4-bit
-// codes always have minimums.
+// codes always have minimums. BITS 5: 4-bit words of the low bits, and after a block-row's words
+// one word per 32 k of its fifth bits (quant.h), spread into bit 4 of each code's byte in registers.
 template <int BITS, bool F16, int MR, int NV, int H, bool MINS>
 KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
                               int64_t b, int64_t h, float* y, int64_t N, int64_t cols) {
   constexpr int64_t kPass = NV * kL;
-  constexpr int P = 32 / BITS;                               // codes per word
+  constexpr int P = BITS == 8 ? 4 : 8;                       // codes per word (5 bits: their low 4)
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
   constexpr int DB = kDigitBits<BITS>;
   const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
@@ -196,7 +198,9 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   constexpr bool kOffset = BITS == 8 && !MINS;  // signed codes held + 128
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
-  const int32_t* qw = w.q + b * (K / P) * kPackedCols + h;
+  const int64_t row_words = BITS == 5 ? K / 8 + K / 32 : K / P;  // words of a column per block-row
+  const int32_t* qw = w.q + b * row_words * kPackedCols + h;
+  const int32_t* qh = qw + (K / 8) * kPackedCols;  // BITS 5: the fifth bits, a word per 32 k
   V tot[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR * NV; ++i) tot[i / NV][i % NV] = Vec::zero();
@@ -206,6 +210,11 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
     I acc[MR][kDigits][NV];
     zero(acc);
     const int32_t* xd = digits + blk * kBlockInts;
+    I fifth[NV];
+    if constexpr (BITS == 5) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) fifth[c] = IVec::load(qh + blk * kPackedCols + c * kL);
+    }
     // (H = 2: K is a multiple of 32, every block whole)
     const int nw = H == 2 ? kWords / 2 * (hf + 1) : static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
     for (int wi = H == 2 ? kWords / 2 * hf : 0; wi < nw; ++wi, qw += kPackedCols) {
@@ -221,6 +230,14 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
         I lo[NV], hi[NV];
 #pragma GCC unroll 4
         for (int c = 0; c < NV; ++c) lo[c] = IVec::low_nibbles(words[c]), hi[c] = IVec::high_nibbles(words[c]);
+        if constexpr (BITS == 5) {  // word wi's fifth bits: k 8 wi + j at bit 8 j + 4 + wi, k 8 wi + 4 + j at 8 j + wi
+          const I bit4 = IVec::set1(0x10101010);
+#pragma GCC unroll 4
+          for (int c = 0; c < NV; ++c) {
+            lo[c] = IVec::or_(lo[c], IVec::and_(IVec::shr(fifth[c], wi), bit4));
+            hi[c] = IVec::or_(hi[c], IVec::and_(IVec::shl_n(fifth[c], 4 - wi), bit4));
+          }
+        }
         dot_plane<MR, NV>(acc, lo, xd, stride, 2 * wi);
         dot_plane<MR, NV>(acc, hi, xd, stride, 2 * wi + 1);
       }
@@ -275,7 +292,7 @@ constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<
   return {nullptr, &tile<BITS, F16, H, MINS, R + 1>...};
 }
 
-template <int BITS, bool F16, int H = 1, bool MINS = BITS == 4>
+template <int BITS, bool F16, int H = 1, bool MINS = BITS != 8>
 void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   constexpr int R = kRows<BITS>;
   static constexpr auto table = tile_table<BITS, F16, H, MINS>(std::make_integer_sequence<int, R>{});
@@ -309,10 +326,14 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
     matmul_fmt<4, true>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
   else if (w.bits == 4)
     matmul_fmt<4, false>(x, w, y, M, threads);  // Q4_K: fp32 scales and minimums per 32 k
+  else if (w.bits == 5 && w.f16)
+    matmul_fmt<5, true>(x, w, y, M, threads);  // Q5_0 (its minimum -16 scale) and Q5_1
+  else if (w.bits == 5)
+    matmul_fmt<5, false>(x, w, y, M, threads);  // Q5_K
   else if (w.f16 && !w.mins)
-    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0 (and Q5_0)
+    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0 (and Q5_0 or Q4_0 beside it in a fused matmul)
   else if (w.f16)
-    matmul_fmt<8, true, 1, true>(x, w, y, M, threads);  // Q5_1: unsigned codes, fp16 minimums
+    matmul_fmt<8, true, 1, true>(x, w, y, M, threads);  // unsigned bytes with fp16 minimums
   else if (!w.mins && g16)
     matmul_fmt<8, false, 2>(x, w, y, M, threads);  // Q6_K: an fp32 scale per 16 k
   else if (!w.mins)
@@ -320,18 +341,21 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
   else if (g16)
     matmul_fmt<8, false, 2, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 16 k
   else
-    matmul_fmt<8, false, 1, true>(x, w, y, M, threads);  // Q5_K: fp32 minimums per 32 k
+    matmul_fmt<8, false, 1, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 32 k
 }
 
 QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t k,
                          int64_t bits, const char* what) {
-  TORCH_CHECK(bits == 4 || bits == 8, what, ": bits must be 4 or 8, got ", bits);
-  const int64_t per = 32 / bits, blocks = (n + kPackedCols - 1) / kPackedCols;
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, what, ": bits must be 4, 5 or 8, got ", bits);
+  // words of a column per k: 5-bit codes take a word per 8 k (their low bits) and one per 32 (the fifth)
+  const int64_t per = bits == 8 ? 4 : 8, blocks = (n + kPackedCols - 1) / kPackedCols;
+  auto words = [&](int64_t kk) { return bits == 5 ? kk / 8 + kk / 32 : kk / per; };
   TORCH_CHECK(q.scalar_type() == at::kInt && q.is_contiguous() && q.dim() == 3 && q.size(0) == blocks &&
-                  q.size(2) == kPackedCols && (k == 0 || q.size(1) * per == k),
+                  q.size(2) == kPackedCols && (bits != 5 || q.size(1) % 5 == 0) &&
+                  (k == 0 || (q.size(1) == words(k) && (bits != 5 || k % 32 == 0))),
               what, ": codes of shape ", q.sizes(), " are not a quantized [", n, ", ", k, "] matrix of ", bits,
               "-bit codes");
-  k = q.size(1) * per;
+  k = bits == 5 ? q.size(1) / 5 * 32 : q.size(1) * per;
   const bool f16 = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((f16 || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == blocks && scales.size(1) > 0 && k % scales.size(1) == 0 &&
@@ -374,19 +398,21 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids must be a 1-D int64 tensor");
   const auto w = kvrelay::quant_matrix(q, scales, mins, n, 0, bits, "quant_rows");
   const auto idc = ids.contiguous();
-  const int64_t T = idc.size(0), K = w.k, per = 32 / w.bits, G = w.group, groups = K / G;
+  const int64_t T = idc.size(0), K = w.k, per = w.bits == 8 ? 4 : 8, G = w.group, groups = K / G;
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(id[t] >= 0 && id[t] < n, "quant_rows: row ", id[t], " is not in [0, ", n, ")");
   auto y = torch::empty({T, K}, q.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
-  const uint32_t mask = (1u << w.bits) - 1;
+  const int64_t row_words = w.bits == 5 ? K / 8 + K / 32 : K / per;  // a column's words in its block-row
+  const uint32_t mask = w.bits == 8 ? 255u : 15u;
   auto scale = [&](const void* p, int64_t i) {
     return w.f16 ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
   };
   for (int64_t t = 0; t < T; ++t) {
     const int64_t b = id[t] / kvrelay::kPackedCols, c = id[t] % kvrelay::kPackedCols;
-    const int32_t* qw = w.q + b * (K / per) * kvrelay::kPackedCols + c;
+    const int32_t* qw = w.q + b * row_words * kvrelay::kPackedCols + c;
+    const int32_t* qh = qw + K / 8 * kvrelay::kPackedCols;  // 5 bits: the fifth bits, a word per 32 k
     float* row = out + t * K;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
@@ -395,7 +421,13 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
         for (int64_t j = 0; j < per; ++j) {
           const int shift = w.bits == 8 ? 8 * j : 8 * (j & 3) + 4 * (j >> 2);  // (quant.h: a word's layout)
-          row[k + j] = std::fma(static_cast<float>((word >> shift) & mask), d, mn);
+          uint32_t code = (word >> shift) & mask;
+          if (w.bits == 5) {  // k = 8 wi + j of its block of 32: bit 8 j + 4 + wi (j < 4), 8 (j - 4) + wi
+            const int64_t wi = k % 32 / 8;
+            const int64_t at5 = j < 4 ? 8 * j + 4 + wi : 8 * (j - 4) + wi;
+            code |= ((static_cast<uint32_t>(qh[k / 32 * kvrelay::kPackedCols]) >> at5) & 1u) << 4;
+          }
+          row[k + j] = std::fma(static_cast<float>(code), d, mn);
         }
       }
     }

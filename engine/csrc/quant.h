@@ -7,7 +7,11 @@
 // row in one 32-bit word, lowest bits first:
 //
 //   q[b][k / per][c]          W's codes at (32 b + c, k) for per consecutive k: 8 bits, byte k % per;
-//                             4 bits, byte j = k % 4 of the word, k % 8 = j in its low nibble, j + 4 its high
+//                             4 bits, byte j = k % 4 of the word, k % 8 = j in its low nibble, j + 4 its high;
+//                             5 bits: their low 4 bits so, then q[b][k / 8 + k / 32][c] their fifth
+//                             bits per 32 k, k = 8 wi + j of the 32 at bit 8 j + 4 + wi (j < 4) or
+//                             8 (j - 4) + wi, so that word wi's bits are bit 4 of its bytes after one
+//                             shift and mask
 //   scales[b][k / group][c]   fp16 (a GGUF's own) or fp32 (int8 made at load)
 //   mins[b][k / group][c]     the same type; for 8-bit codes, absent (an empty tensor) where
 //                             the codes are signed bytes held + 128 (Q8_0, Q5_0, Q6_K, int8)
@@ -32,7 +36,7 @@ struct QuantMatrix {
   const void* scales;
   const void* mins;  // null: 8-bit signed codes held + 128
   int64_t n, k, group;
-  int bits;          // 8: bytes, 4: nibbles
+  int bits;          // 8: bytes, 4: nibbles, 5: nibbles and a plane of fifth bits
   bool f16;          // scales and mins are fp16 (else fp32)
 };
 
@@ -83,6 +87,9 @@ struct IVec {
   static __m512 to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static I round(__m512 v) { return _mm512_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I shr(I a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }  // logical, every lane by n
+  static I shl_n(I a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   template <int S>
   static I sra(I a) { return _mm512_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
@@ -113,6 +120,9 @@ struct IVec {
   static __m256 to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static I round(__m256 v) { return _mm256_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I shr(I a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }  // logical, every lane by n
+  static I shl_n(I a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   template <int S>
   static I sra(I a) { return _mm256_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])

@@ -14,8 +14,9 @@ from engine.kernels import ISA_NAMES, QuantOps, cpu_isas, load_native_ops
 from engine.quant import QuantError, QuantRows, QuantWeight, gguf_rows, quantize_int8
 from tests.conftest import require_isa
 
-# q8_0, q5_0, q6_k, int8: signed bytes; q5_1, q5_k: unsigned bytes with minimums; mixed: parts in
-# several formats widened to one; q6_k and mixed (with a q6_k part) scaled per 16 k
+# q8_0, q6_k, int8: signed bytes; q5_0, q5_1, q5_k: 5-bit codes (nibbles and a plane of fifth bits)
+# with minimums; mixed: parts in several formats read as one; q6_k and mixed (with a q6_k part)
+# scaled per 16 k
 FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "mixed")
 
 
@@ -42,12 +43,12 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
     d = d.half() if fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") else d.half().float() * torch.randint(
         1, 64, d.shape, generator=g)  # the k-quants: an fp16 times a 6-bit scale, in fp32
     m = torch.randn(n, k // 32, generator=g) * 0.1
-    if fmt in ("q8_0", "q5_0", "q6_k"):
-        lo = {"q8_0": -128, "q5_0": -16, "q6_k": -32}[fmt]
+    if fmt in ("q8_0", "q6_k"):
+        lo = {"q8_0": -128, "q6_k": -32}[fmt]
         return QuantRows(fmt, 8, torch.randint(lo, -lo, (n, k), generator=g, dtype=torch.int8), d)
-    if fmt in ("q5_1", "q5_k"):
+    if fmt in ("q5_0", "q5_1", "q5_k"):
         codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
-        return QuantRows(fmt, 8, codes, d, m.to(d.dtype))
+        return QuantRows(fmt, 5, codes, d, -16 * d if fmt == "q5_0" else m.to(d.dtype))
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
     m = -8 * d if fmt == "q4_0" else m.to(d.dtype)
     return QuantRows("q4_k" if fmt == "q4_k" else "q4_1", 4, codes, d, m)
@@ -107,7 +108,7 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     for raw in raws:
         rows = gguf_rows(raw, qtype.name, (n, k), "t")
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
-    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q4_K") else 5 if qtype.name.startswith("Q5") else 8)
 
 
 def test_an_unsupported_gguf_block_type_is_named():
@@ -122,7 +123,8 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q5_0", "q8_0"), (8, 32, torch.float16, True)),  # read alike: joined as they are
     (("q4_1", "q4_k", "q4_0"), (4, 32, torch.float32, False)),  # 4-bit codes stay 4-bit
     (("q6_k", "q8_0"), (8, 16, torch.float32, True)),  # signed bytes stay signed
-    (("q5_0", "q5_1"), (8, 32, torch.float32, False)),
+    (("q5_0", "q5_1"), (5, 32, torch.float16, False)),  # 5-bit codes with minimums both: joined as they are
+    (("q4_1", "q5_k"), (5, 32, torch.float32, False)),  # 4-bit codes are 5-bit codes
     (("q4_k", "q4_k"), (4, 32, torch.float32, False)),
 ])
 def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):
@@ -217,8 +219,8 @@ def test_linear_quant_rejects_a_mismatched_weight(quant_ops):
     p = QuantWeight.pack(_rows("q8_0", 64, 96))
     with pytest.raises(RuntimeError, match="not a quantized"):
         quant_ops.ext.linear_quant(torch.randn(2, 64), p.q, p.scales, p.mins, 64, 8)  # K 64, weight's 96
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
-        quant_ops.ext.linear_quant(torch.randn(2, 96), p.q, p.scales, p.mins, 64, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4, 5 or 8"):
+        quant_ops.ext.linear_quant(torch.randn(2, 96), p.q, p.scales, p.mins, 64, 6)
     with pytest.raises(RuntimeError, match="fp32"):
         quant_ops.ext.linear_quant(torch.randn(2, 96).bfloat16(), p.q, p.scales, p.mins, 64, 8)
     p4 = QuantWeight.pack(_rows("q4_1", 64, 96))
