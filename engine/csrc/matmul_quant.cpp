@@ -210,10 +210,14 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
     I acc[MR][kDigits][NV];
     zero(acc);
     const int32_t* xd = digits + blk * kBlockInts;
-    I fifth[NV];
+    // BITS 5: the block's fifth bits, for the low and the high nibbles, shifted one bit a word
+    I flo[NV], fhi[NV];
     if constexpr (BITS == 5) {
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) fifth[c] = IVec::load(qh + blk * kPackedCols + c * kL);
+      for (int c = 0; c < NV; ++c) {
+        flo[c] = IVec::load(qh + blk * kPackedCols + c * kL);
+        fhi[c] = IVec::template shl<4>(flo[c]);
+      }
     }
     // (H = 2: K is a multiple of 32, every block whole)
     const int nw = H == 2 ? kWords / 2 * (hf + 1) : static_cast<int>(std::min<int64_t>(kWords, (K - blk * kBlockK) / P));
@@ -234,8 +238,9 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
           const I bit4 = IVec::set1(0x10101010);
 #pragma GCC unroll 4
           for (int c = 0; c < NV; ++c) {
-            lo[c] = IVec::or_(lo[c], IVec::and_(IVec::shr(fifth[c], wi), bit4));
-            hi[c] = IVec::or_(hi[c], IVec::and_(IVec::shl_n(fifth[c], 4 - wi), bit4));
+            lo[c] = IVec::or_(lo[c], IVec::and_(flo[c], bit4));
+            hi[c] = IVec::or_(hi[c], IVec::and_(fhi[c], bit4));
+            flo[c] = IVec::template shr_by<1>(flo[c]), fhi[c] = IVec::template shr_by<1>(fhi[c]);
           }
         }
         dot_plane<MR, NV>(acc, lo, xd, stride, 2 * wi);

@@ -88,8 +88,8 @@ struct IVec {
   static I round(__m512 v) { return _mm512_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I shr(I a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }  // logical, every lane by n
-  static I shl_n(I a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+  template <int S>
+  static I shr_by(I a) { return _mm512_srli_epi32(a, S); }  // logical
   template <int S>
   static I sra(I a) { return _mm512_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
@@ -121,8 +121,8 @@ struct IVec {
   static I round(__m256 v) { return _mm256_cvtps_epi32(v); }  // to nearest even
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I shr(I a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }  // logical, every lane by n
-  static I shl_n(I a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+  template <int S>
+  static I shr_by(I a) { return _mm256_srli_epi32(a, S); }  // logical
   template <int S>
   static I sra(I a) { return _mm256_srai_epi32(a, S); }
   static void store_bytes(int8_t* p, I a) {  // the lanes' low bytes (values in [-128, 127])
