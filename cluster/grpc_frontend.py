@@ -40,6 +40,7 @@ from cluster.validation import check_model, check_request_id, validate_request
 from engine.guided import GuidedError, GuidedSpec
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
+from engine.serving.timeouts import within
 
 log = logging.getLogger(__name__)
 _log_junk = errors.RateLimitedLog(log)
@@ -284,7 +285,7 @@ class GrpcFrontend:
         # go missing (grpc/grpc#28999 and kin), and a frontend must never hang its caller on stop. Calls
         # are already cancelled by then, so waiting longer than the grace plus a margin buys nothing.
         try:
-            await asyncio.wait_for(asyncio.shield(server.stop(grace)), (grace or 0.0) + STOP_CONFIRM_S)
+            await within(asyncio.shield(server.stop(grace)), (grace or 0.0) + STOP_CONFIRM_S)
         except asyncio.TimeoutError:
             log.warning("gRPC frontend on port %s: no shutdown confirmation within %.0fs of the grace; going on",
                         self.port, STOP_CONFIRM_S)

@@ -11,7 +11,6 @@ probes read these).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -19,10 +18,12 @@ from grpc_health.v1 import health, health_pb2
 
 from cluster.backend import Backend
 from cluster.types import ClusterStatus
+from engine.serving.timeouts import cancel_and_wait, within
 
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0  # a backend that takes longer to say how it is, is not healthy
+STOP_TIMEOUT_S = 5.0  # the most `GrpcHealth.stop` waits for its follower to end
 
 
 def unhealthy_reason(status: ClusterStatus) -> str | None:
@@ -37,7 +38,7 @@ def unhealthy_reason(status: ClusterStatus) -> str | None:
 async def check(backend: Backend, timeout_s: float = STATUS_TIMEOUT_S) -> str | None:
     """`unhealthy_reason` of the backend's status now; a status that fails or is late is a reason too."""
     try:
-        status = await asyncio.wait_for(backend.status(), timeout_s)
+        status = await within(backend.status(), timeout_s)
     except Exception as e:
         return f"status failed: {type(e).__name__}: {e}"
     return unhealthy_reason(status)
@@ -83,8 +84,6 @@ class GrpcHealth:
     async def stop(self) -> None:
         """Stop following and report NOT_SERVING from now on (a server going away)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task], STOP_TIMEOUT_S, "gRPC health follower")
             self._task = None
         await self.servicer.enter_graceful_shutdown()

@@ -28,6 +28,7 @@ from cluster.spec import Spec, split_spec
 from cluster.spec_errors import SpecError
 from cluster.spec_tp import check_fits_cluster, check_fits_model
 from cluster.types import Stage
+from engine.serving.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +317,7 @@ STOP_PHASE_TIMEOUT_S = 15.0  # the most one phase of `Cluster.stop` may take bef
 
 async def _bounded(coro, timeout_s: float, what: str) -> None:
     try:
-        await asyncio.wait_for(coro, timeout_s)
+        await within(coro, timeout_s)
     except asyncio.TimeoutError:
         log.warning("stopping: %s did not stop within %.0fs; going on", what, timeout_s)
     except Exception:

@@ -47,7 +47,6 @@ no_replica).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -56,6 +55,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.types import ClusterStatus, GenerateDelta, GenerateRequest, StageMetrics
+from engine.serving.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class ServingMetrics:
     async def refresh(self, backend, timeout_s: float = 5.0) -> None:
         """Read ``backend.status()`` for the replica gauges; on failure they are left out of this scrape."""
         try:
-            self._status.status = await asyncio.wait_for(backend.status(), timeout_s)
+            self._status.status = await within(backend.status(), timeout_s)
         except Exception:
             log.exception("backend status failed; replica gauges left out")
             self._status.status = None

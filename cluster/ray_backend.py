@@ -47,6 +47,7 @@ from engine.sampling import SamplingParams as EngineSamplingParams
 from engine.serving.channel import ChannelError, ChannelServer
 from engine.serving.frames import (Abort, Attach, FirstToken, Lost, Prefill, PrefillDone, PrefillLost, Refused, Reserve,
                                    Submit, TicketReady)
+from engine.serving.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class RayBackend:
         overtaking: list[GenerateDelta] = []
         while True:
             try:
-                event = await asyncio.wait_for(inbox.get(), self.stall_timeout_s)
+                event = await within(inbox.get(), self.stall_timeout_s)
             except asyncio.TimeoutError:
                 raise _ReplicaFailure("stalled", f"no word from the replicas for {self.stall_timeout_s:.0f}s")
             if isinstance(event, GenerateDelta):
@@ -348,7 +349,7 @@ async def _wait_done(inbox: asyncio.Queue, timeout_s: float = 1.0) -> PrefillDon
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
         try:
-            event = await asyncio.wait_for(inbox.get(), left)
+            event = await within(inbox.get(), left)
         except asyncio.TimeoutError:
             return None
         if isinstance(event, PrefillDone):

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field, replace
 from cluster.router import ReplicaLoad, Router
 from cluster.types import ReplicaStatus, Stage
 from engine.serving.channel import ChannelServer
+from engine.serving.timeouts import cancel_and_wait, within
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 10.0  # the most `Replicas.stop` waits for its watchers to end
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,7 @@ class Replicas:
         self._tasks += [asyncio.create_task(self._watch(rid)) for rid in self.handles]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, STOP_TIMEOUT_S, "replica watchers")
         self._tasks = []
 
     def handle(self, rid: str):
@@ -156,7 +156,7 @@ class Replicas:
         h = self._health[rid]
         handle = self.handle(rid)
         try:
-            load = await asyncio.wait_for(_awaitable(handle.load.remote()), self.config.heartbeat_timeout_s)
+            load = await within(_awaitable(handle.load.remote()), self.config.heartbeat_timeout_s)
         except asyncio.TimeoutError:
             now = time.monotonic()
             h.silent_since = h.silent_since or now
@@ -181,7 +181,7 @@ class Replicas:
         hashes = frozenset()
         if self.router.config.policy == "prefix_aware" and h.stage is not Stage.DECODE:
             try:
-                hashes = await asyncio.wait_for(_awaitable(handle.cached_block_hashes.remote()),
+                hashes = await within(_awaitable(handle.cached_block_hashes.remote()),
                                                 self.config.heartbeat_timeout_s)
             except Exception:
                 pass
@@ -243,7 +243,7 @@ class Replicas:
             try:
                 handle = await loop.run_in_executor(None, self.respawn, rid, self.handle(rid), h.num_restarts)
                 self.handles[rid] = (h.stage, handle)
-                await asyncio.wait_for(_awaitable(handle.load.remote()), self.config.ready_timeout_s)
+                await within(_awaitable(handle.load.remote()), self.config.ready_timeout_s)
                 await self._connect(rid)
             except asyncio.CancelledError:
                 raise

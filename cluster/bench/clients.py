@@ -31,6 +31,7 @@ from cluster.bench.stats import RequestRecord
 from cluster.bench.workload import RequestSpec
 from cluster.client import AsyncKVRelayClient, KVRelayError
 from cluster.types import FinishReason
+from engine.serving.timeouts import within
 
 Clock = Callable[[], float]
 
@@ -85,7 +86,7 @@ class GrpcSender:
         self.client = AsyncKVRelayClient(self.target, self.api_key, tls=self.tls,
                                          root_certificates=self.root_certificates)
         try:
-            models = await asyncio.wait_for(self.client.list_models(), 30)
+            models = await within(self.client.list_models(), 30)
         except (KVRelayError, asyncio.TimeoutError) as e:
             raise BenchError(f"cannot list the models of {self.target}: {e or 'timed out'}") from None
         m = next((m for m in models if not self.model or m.id == self.model), None)

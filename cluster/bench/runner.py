@@ -28,6 +28,7 @@ from typing import TextIO
 from cluster.bench.clients import BenchError, GrpcSender, OpenAISender, Sender, ServerInfo
 from cluster.bench.stats import ATTAINMENT_TARGET, RequestRecord, Slo, max_rate_at_attainment, summarize
 from cluster.bench.workload import RequestSpec, WorkloadError, dataset_requests, random_requests, arrival_offsets
+from engine.serving.timeouts import within
 
 
 @dataclass
@@ -155,7 +156,7 @@ async def run_requests(sender: Sender, specs: list[RequestSpec], offsets: list[f
         if slots is not None:
             left = None if duration_s is None else duration_s - clock()
             try:
-                await asyncio.wait_for(slots.acquire(), left)
+                await within(slots.acquire(), left)
             except asyncio.TimeoutError:
                 break
         tasks.append(asyncio.create_task(one(spec, rec)))

@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from engine.serving.frames import Deltas, Lost
+from engine.serving.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class ChannelServer:
         want = set(replica_ids)
         async with self._connected:
             try:
-                await asyncio.wait_for(self._connected.wait_for(lambda: want <= self._peers.keys()), timeout_s)
+                await within(self._connected.wait_for(lambda: want <= self._peers.keys()), timeout_s)
             except asyncio.TimeoutError:
                 missing = ", ".join(sorted(want - self._peers.keys()))
                 raise ChannelError(f"replica(s) {missing} did not connect their request channel to "
@@ -188,7 +189,7 @@ class ChannelServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = None
         try:
-            replica_id = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            replica_id = await within(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
             if replica_id is None:
                 return
             old = self._peers.get(replica_id)

@@ -160,3 +160,30 @@ def test_stop_is_bounded_when_grpc_never_confirms(monkeypatch):
     assert server.frontends.grpc.server is None
     with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError):
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+
+
+def test_stop_ends_a_follower_that_lost_its_cancel():
+    """A follower that goes on after its cancel (as one in asyncio.wait_for could, before 3.12) still stops."""
+    server = ServedFrontends(EchoBackend(), health_interval_s=0.01)
+    health = server.frontends.grpc.health
+    lost, entered = [], []
+
+    async def loses_a_cancel():
+        entered.append(True)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost.append(True)  # the first is swallowed: the follower runs on
+
+    try:
+        health.poll_once = loses_a_cancel
+        wait_until(lambda: entered)  # the follower is in loses_a_cancel, where the next cancel lands
+        t0 = time.monotonic()
+        server.call(health.stop(), timeout=30)
+        assert time.monotonic() - t0 < 4.0
+        assert health._task is None
+        assert lost == [True]
+    finally:
+        server.close()

@@ -88,7 +88,10 @@ class ServedFrontends:
         except TimeoutError:  # say where it is stuck before failing: every thread, and the loop's tasks
             faulthandler.dump_traceback(sys.stderr)
             for task in asyncio.all_tasks(self.loop):
-                task.print_stack(file=sys.stderr)
+                # not task.print_stack: it fails on frames of compiled (Cython) coroutines, whose line is None
+                print(f"task {task!r}", file=sys.stderr)
+                for frame in task.get_stack():
+                    print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=sys.stderr)
             raise
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
