@@ -5,8 +5,8 @@
 - ``gguf``: a GGUF file's own block formats, read as stored (`read_gguf_rows`):
   Q8_0 (32 signed bytes and an fp16 scale per block of 32), Q4_1 (32 nibbles,
   an fp16 scale and minimum) and Q4_0 (nibbles - 8, held as Q4_1 with the
-  minimum -8 x scale, which fp16 holds exactly); Q5_0 (5-bit codes - 16, held as
-  signed bytes like Q8_0's); and the k-quants' super-blocks of 256, whose 6-bit
+  minimum -8 x scale, which fp16 holds exactly); Q5_0, Q5_1 and Q5_K (5-bit codes,
+  held as bytes unless KVRELAY_GGUF_FIVE_BIT=keep, see `FIVE_BIT_ENV`); and the k-quants' super-blocks of 256, whose 6-bit
   sub-block scales are multiplied out at load into fp32 (a product of an fp16
   and a small integer, exact): Q4_K (nibbles, a scale and minimum per 32) and
   Q6_K (6-bit codes - 32 held as signed bytes, a scale per 16).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,15 @@ import torch.nn.functional as F
 from engine.config import ConfigError
 
 log = logging.getLogger(__name__)
+
+# How 5-bit GGUF codes (Q5_0, Q5_1, Q5_K) are held: "widen" (default) to bytes, Q5_0 as signed bytes
+# like Q8_0 (8.5 bits read per weight, not 6.0); "keep" at 5 bits (a nibble plane and a word of
+# fifth bits per 32 k). Measured side by side on the default model in llama.cpp's Q4_K_M layout
+# (BENCHMARKS.md): on a Zen 4 the 5-bit tile's extra shifts cost more than the 16% fewer bytes save
+# (single stream 0.86x / 0.79x of the bytes form on avx512bf16 / avx2 at 1 thread, 1.02x / 0.93x at
+# 2); "keep" is for machines with less bandwidth per core, where a step is bound by bytes.
+FIVE_BIT_ENV = "KVRELAY_GGUF_FIVE_BIT"
+FIVE_BIT_FORMS = ("widen", "keep")
 
 QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
@@ -325,6 +335,15 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
     return QuantRows("q6_k", 8, t(codes, np.int8), t(d[..., None] * raw[..., 192:208].view(np.int8)))
 
 
+def held_five_bit(rows: QuantRows) -> QuantRows:
+    """5-bit `rows` as bytes, the values unchanged: signed bytes where the minimum is -16 x scale
+    (Q5_0), else unsigned bytes with their minimums (Q5_1, Q5_K); other rows as they are."""
+    if rows.bits != 5:
+        return rows
+    signed = _as_signed(rows)
+    return signed if signed is not None else QuantRows(rows.fmt, 8, rows.codes, rows.scales, rows.mins)
+
+
 def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows]]:
     """The config.json dict and the tensors of GGUF file `path` under their HF names:
     matmul weights and embeddings (2-D) as QuantRows in their own format, the rest
@@ -348,11 +367,16 @@ def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows
     heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
     out: dict[str, torch.Tensor | QuantRows] = {}
 
+    five_bit = os.environ.get(FIVE_BIT_ENV, "widen")
+    if five_bit not in FIVE_BIT_FORMS:
+        raise CheckpointError(f"{FIVE_BIT_ENV}={five_bit!r}: must be one of {', '.join(FIVE_BIT_FORMS)}")
+
     def rows(data, type_name: str, shape, what: str) -> QuantRows:
         try:
-            return gguf_rows(data, type_name, shape, what)
+            r = gguf_rows(data, type_name, shape, what)
         except QuantError as e:
             raise CheckpointError(str(e)) from e
+        return held_five_bit(r) if five_bit == "widen" else r
 
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape))

@@ -4,6 +4,8 @@ stays close to fp32 (top-1 agreement and KL measured), and bad combinations
 are refused with the field named."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -171,12 +173,14 @@ def test_a_tiny_gguf_of_each_kept_type_answers_like_its_fp32_conversion(tmp_path
     assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conversion(tmp_path, quant_isa, tie):
+@pytest.mark.parametrize("tie, five_bit", [(False, "widen"), (True, "widen"), (False, "keep")])
+def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conversion(tmp_path, quant_isa, tie,
+                                                                                       five_bit, monkeypatch):
     """A file laid out like llama.cpp's Q4_K_M and Q5_K_M (q and k Q4_K beside a Q6_K v, Q5_K,
     Q5_1 and Q5_0, a Q6_K down projection and LM head; tied: a Q6_K embedding read by rows):
-    every part kept in its format or, where a fused matmul's parts differ, widened to one;
-    the same greedy tokens as the dequantized fp32 model."""
+    every part kept in its format or, where a fused matmul's parts differ, widened to one, the
+    5-bit codes held as bytes or (KVRELAY_GGUF_FIVE_BIT=keep) at 5 bits; the same greedy tokens
+    as the dequantized fp32 model."""
     import gguf
 
     from tests.engine.factories import random_prompts
@@ -188,15 +192,29 @@ def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conve
               "mlp.gate": Q.Q5_1, "mlp.up": Q.Q5_0, "lm_head": Q.Q6_K, "embed": Q.Q6_K if tie else Q.Q8_0}
     write_tiny_gguf(path, qtypes=qtypes, tie=tie, hidden_size=256, intermediate_size=512)
     kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
+    monkeypatch.setenv("KVRELAY_GGUF_FIVE_BIT", five_bit)
     q = LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw)
     m = q.core.model
     L = m.layers[0]
     assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt, m.lm_head.fmt] == \
         ["q4_k+q6_k", "q5_k", "q5_1+q5_0", "q6_k", "q6_k"]
+    assert [L.o_w.bits, L.gate_up_w.bits] == ([8, 8] if five_bit == "widen" else [5, 5])
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
     assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
+
+
+def test_a_bad_five_bit_form_is_refused_by_name(tmp_path, monkeypatch):
+    import gguf
+
+    from tests.engine.test_gguf_convert import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, qtypes={"": gguf.GGMLQuantizationType.Q5_0})
+    monkeypatch.setenv("KVRELAY_GGUF_FIVE_BIT", "5")
+    with pytest.raises(CheckpointError, match=r"KVRELAY_GGUF_FIVE_BIT='5': must be one of widen, keep"):
+        LLM(str(path), quantization="gguf", cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -253,3 +271,27 @@ def test_the_stage_spec_passes_quantization_to_the_engine():
     assert StageSpec(quantization="gguf").engine_config("auto").quantization == "gguf"
     with pytest.raises(ValidationError, match="quantization"):
         StageSpec(quantization="q4")
+
+
+def test_five_bit_bench_compares_both_forms_of_one_file(tmp_path, quant_isa, monkeypatch):
+    """python -m engine.five_bit_bench: both held forms of a Q5_0 file, their bytes and tokens/s side
+    by side, the same greedy tokens, written to its own section."""
+    import gguf
+
+    from engine import benchmarks_md, five_bit_bench
+    from tests.engine.test_gguf_convert import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, qtypes={"lm_head": gguf.GGMLQuantizationType.Q8_0, "embed": gguf.GGMLQuantizationType.Q8_0,
+                                  "": gguf.GGMLQuantizationType.Q5_0})
+    md = tmp_path / "BENCHMARKS.md"
+    write = benchmarks_md.write_section
+    monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
+    assert five_bit_bench.main(["--model", str(path), "--isa", quant_isa, "--threads", "1", "--rounds", "2",
+                                "--prompt-len", "16", "--new-tokens", "8", "--write"]) == 0
+    text = md.read_text()
+    assert text.count(five_bit_bench.SECTION) == 1
+    widen, keep = (float(x) for x in re.search(r"([\d.]+) MB held as bytes .*?, ([\d.]+) MB at 5 bits", text).groups())
+    assert keep < widen  # 6.0 bits a weight against 8.5 for the Q5_0 layers
+    row = re.search(rf"^\| {quant_isa} \| 1 \| ([\d.]+) \| ([\d.]+) \| .* \| \*\*([\d.]+)x\*\* \| yes \|$", text, re.M)
+    assert row and all(float(g) > 0 for g in row.groups()), text
