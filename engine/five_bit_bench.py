@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             counts = requantize_gguf(default_gguf_path(), path)
             print(f"the default model as Q4_K_M: {counts}", file=sys.stderr)
         body = run(path, isas, threads, args.rounds, args.prompt_len, args.new_tokens)
+    what = "the default model in llama.cpp's Q4_K_M layout" if args.model is None else args.model.name
     command = "python -m engine.five_bit_bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"{SECTION}\n\nWritten by `engine/five_bit_bench.py`. Single-stream decode ({args.prompt_len}-token prompt, "
-            f"{args.new_tokens} new) of {'the default model in llama.cpp Q4_K_M layout' if args.model is None else args.model.name}, "
+            f"{args.new_tokens} new) of {what}, "
             f"both forms in one process, interleaved rounds; the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")
     print(text)
