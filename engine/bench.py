@@ -40,25 +40,19 @@ shapes, 16 new tokens) before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from engine.bench_transformers import (TORCH_AVX2_ENV, WARMUP_TOKENS, Figures, baseline_label,  # noqa: F401
+                                       bench_transformers_avx2, run_transformers, torch_capability,
+                                       transformers_only)
 from engine.benchmarks_md import BENCHMARKS_FILE, cpu_isa_text, provenance, write_section
 
 SECTION = "## Engine"
-WARMUP_TOKENS = 16
-# torch held to AVX2 and FMA, as on a CPU without AVX-512: ATen's vectorized kernels and oneDNN's
-# (set before torch loads, so only in a fresh process; torch.backends.cpu.get_cpu_capability() says
-# whether it took)
-TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,13 +107,6 @@ def isa_label(llm) -> str:
     return getattr(llm.core.model.ops, "isa", "torch ops")
 
 
-@dataclass
-class Figures:
-    decode_tok_s: float
-    ttft_s: float
-    batch_tok_s: float
-
-
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Random token ids, clear of the low ids where tokenizers keep special tokens."""
     import torch
@@ -136,13 +123,24 @@ def _kv_params(n: int):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def decode_tok_s(out) -> float:
+    """Single-stream decode rate of one finished request: the tokens after the first over their time."""
+    return (len(out.token_ids) - 1) / (out.metrics["e2e"] - out.metrics["ttft"])
+
+
+def step_weight_bytes(model) -> int:
+    """The bytes of weights one decode step reads: every matmul weight once (a tensor or a packed weight)."""
+    return sum(w.nbytes for w in [model.lm_head] + [w for L in model.layers
+                                                    for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)])
+
+
 def bench_kvrelay(llm, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
     llm.generate(prompt, _kv_params(WARMUP_TOKENS))
     llm.generate(batch, _kv_params(WARMUP_TOKENS))
 
     out = llm.generate(prompt, _kv_params(new))[0]
     assert len(out.token_ids) == new
-    decode = (new - 1) / (out.metrics["e2e"] - out.metrics["ttft"])
+    decode = decode_tok_s(out)
 
     ttfts = []
     for _ in range(3):
@@ -196,8 +194,6 @@ def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
         del model.forward, model.compute_logits  # back to the class's methods
     steps = new - 1
     decode_s = out.metrics["e2e"] - out.metrics["ttft"]
-    weights = [model.lm_head] + [w for L in model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)]
-    weight_bytes = sum(w.nbytes for w in weights)  # a tensor or an engine.kernels.PackedWeight
     # fp32: torch's bf16 sum widens every element first and is bound by that on an AVX2 CPU (a Zen 3
     # core: 12.8 GB/s, against 17.3 for fp32 and 15.3 for a plain AVX2 read loop), which would put the
     # bound too low and every figure too near it
@@ -210,7 +206,7 @@ def decode_breakdown(llm, prompt: list[int], new: int) -> Breakdown:
         best = min(best, time.perf_counter() - t0)
     read = big.numel() * big.element_size() / best
     return Breakdown(decode_s / steps * 1e3, spent["forward"] / steps * 1e3, spent["logits"] / steps * 1e3,
-                     weight_bytes / 1e6, read / 1e9)
+                     step_weight_bytes(model) / 1e6, read / 1e9)
 
 
 def rounds_text(rounds: dict[str, list[Figures]], dtype: str) -> str:
@@ -243,78 +239,6 @@ def breakdown_table(b: Breakdown, label: str = "") -> str:
         f"| {b.weight_mb / b.read_gb_s:.2f} ({b.bound_tok_s:.1f} tokens/s) |",
         f"| the step against the bound (the memory wall) | {100 * b.weight_mb / b.read_gb_s / b.step_ms:.0f}% |",
     ])
-
-
-# ---- transformers --------------------------------------------------------------
-
-def _hf_generate(model, ids: list[list[int]], new: int) -> float:
-    import torch
-
-    x = torch.tensor(ids)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
-    wall = time.perf_counter() - t0
-    assert out.shape[1] == x.shape[1] + new
-    return wall
-
-
-def bench_transformers(model, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
-    _hf_generate(model, [prompt], WARMUP_TOKENS)
-    _hf_generate(model, batch, WARMUP_TOKENS)
-    ttft = statistics.median(_hf_generate(model, [prompt], 1) for _ in range(3))
-    total = _hf_generate(model, [prompt], new)
-    wall = _hf_generate(model, batch, new)
-    return Figures((new - 1) / (total - ttft), ttft, len(batch) * new / wall)
-
-
-def torch_capability() -> str:
-    """The vector ISA torch's own CPU kernels run here (AVX512, AVX2, DEFAULT, ...)."""
-    import torch
-
-    return torch.backends.cpu.get_cpu_capability()
-
-
-def baseline_label(capability: str) -> str:
-    return f"transformers (torch {capability})"
-
-
-def run_transformers(model_dir, dtype: str, prompt: list[int], batch: list[list[int]], new: int) -> Figures:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    return bench_transformers(hf, prompt, batch, new)
-
-
-def bench_transformers_avx2(args, model_dir, prompt: list[int], batch: list[list[int]]) -> Figures:
-    """The transformers baseline in a fresh process with torch held to AVX2
-    (TORCH_AVX2_ENV), on the same prompts and thread count; raises if torch
-    did not take the restriction."""
-    with tempfile.TemporaryDirectory() as d:
-        prompts = Path(d) / "prompts.json"
-        prompts.write_text(json.dumps({"prompt": prompt, "batch": batch}))
-        cmd = [sys.executable, "-m", "engine.bench", "--model", str(model_dir), "--dtype", args.dtype,
-               "--new-tokens", str(args.new_tokens), "--transformers-only", str(prompts)]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        done = subprocess.run(cmd, env={**os.environ, **TORCH_AVX2_ENV}, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the AVX2 transformers baseline failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if result["capability"] != "AVX2":
-        raise RuntimeError(f"the AVX2 transformers baseline ran on torch's {result['capability']} kernels: "
-                           f"{', '.join(f'{k}={v}' for k, v in TORCH_AVX2_ENV.items())} did not take")
-    return Figures(**result["figures"])
-
-
-def transformers_only(args, model_dir) -> int:
-    """The child of bench_transformers_avx2: one line of JSON on stdout."""
-    prompts = json.loads(args.transformers_only.read_text())
-    figures = run_transformers(model_dir, args.dtype, prompts["prompt"], prompts["batch"], args.new_tokens)
-    print(json.dumps({"capability": torch_capability(), "figures": asdict(figures)}))
-    return 0
 
 
 # ---- report --------------------------------------------------------------------

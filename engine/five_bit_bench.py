@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 SECTION = "## 5-bit GGUF codes: held as bytes or at 5 bits"
 FORMS = ("widen", "keep")
@@ -26,35 +27,14 @@ def load(path: Path, isa: str, form: str):
     from engine.llm import LLM
     from engine.quant import FIVE_BIT_ENV
 
-    old = os.environ.get(FIVE_BIT_ENV)
-    os.environ[FIVE_BIT_ENV] = form
-    try:
+    with mock.patch.dict(os.environ, {FIVE_BIT_ENV: form}):
         return LLM(str(path), dtype="float32", enable_prefix_caching=False, kernel_isa=isa, quantization="gguf")
-    finally:
-        if old is None:
-            del os.environ[FIVE_BIT_ENV]
-        else:
-            os.environ[FIVE_BIT_ENV] = old
-
-
-def step_mb(llm) -> float:
-    m = llm.core.model
-    return sum(w.nbytes for w in [m.lm_head] + [w for L in m.layers
-                                                for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)]) / 1e6
-
-
-def decode_tok_s(llm, prompt: list[int], new: int) -> float:
-    from engine.bench import _kv_params
-
-    llm.generate(prompt, _kv_params(8))
-    out = llm.generate(prompt, _kv_params(new))[0]
-    return (new - 1) / (out.metrics["e2e"] - out.metrics["ttft"])
 
 
 def run(path: Path, isas: list[str], threads: list[int], rounds: int, prompt_len: int, new: int) -> str:
     import torch
 
-    from engine.bench import _kv_params, make_prompts
+    from engine.bench import _kv_params, decode_tok_s, make_prompts, step_weight_bytes
 
     rows = []
     for isa in isas:
@@ -66,14 +46,16 @@ def run(path: Path, isas: list[str], threads: list[int], rounds: int, prompt_len
             tok = {f: [] for f in FORMS}
             for r in range(rounds):
                 for f, llm in llms.items():
-                    tok[f].append(decode_tok_s(llm, prompt, new))
+                    llm.generate(prompt, _kv_params(8))
+                    tok[f].append(decode_tok_s(llm.generate(prompt, _kv_params(new))[0]))
+                    assert llm.core.pool.is_fully_free()
                 print(f"{isa} {t} thread(s) round {r + 1}/{rounds}: "
                       + ", ".join(f"{f} {v[-1]:.1f} tok/s" for f, v in tok.items()), file=sys.stderr)
             ratios = [k / w for k, w in zip(tok["keep"], tok["widen"])]
             rows.append(f"| {isa} | {t} | {statistics.median(tok['widen']):.1f} | {statistics.median(tok['keep']):.1f} "
                         f"| {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** "
                         f"| {'yes' if same else 'NO'} |")
-        mb = {f: step_mb(llm) for f, llm in llms.items()}
+        mb = {f: step_weight_bytes(llm.core.model) / 1e6 for f, llm in llms.items()}
         del llms
     return (f"Bytes read per decode step: {mb['widen']:.4g} MB held as bytes (widen, the default), "
             f"{mb['keep']:.4g} MB at 5 bits (keep).\n\n"

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # like Q8_0 (8.5 bits read per weight, not 6.0); "keep" at 5 bits (a nibble plane and a word of
 # fifth bits per 32 k). Measured side by side on the default model in llama.cpp's Q4_K_M layout
 # (BENCHMARKS.md): on a Zen 4 the 5-bit tile's extra shifts cost more than the 16% fewer bytes save
-# (single stream 0.86x / 0.79x of the bytes form on avx512bf16 / avx2 at 1 thread, 1.02x / 0.93x at
+# (single stream 0.88x / 0.83x of the bytes form on avx512bf16 / avx2 at 1 thread, 0.98x / 0.91x at
 # 2); "keep" is for machines with less bandwidth per core, where a step is bound by bytes.
 FIVE_BIT_ENV = "KVRELAY_GGUF_FIVE_BIT"
 FIVE_BIT_FORMS = ("widen", "keep")
