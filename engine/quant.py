@@ -6,10 +6,11 @@
   Q8_0 (32 signed bytes and an fp16 scale per block of 32), Q4_1 (32 nibbles,
   an fp16 scale and minimum) and Q4_0 (nibbles - 8, held as Q4_1 with the
   minimum -8 x scale, which fp16 holds exactly); Q5_0, Q5_1 and Q5_K (5-bit codes,
-  held as bytes unless KVRELAY_GGUF_FIVE_BIT=keep, see `FIVE_BIT_ENV`); and the k-quants' super-blocks of 256, whose 6-bit
-  sub-block scales are multiplied out at load into fp32 (a product of an fp16
-  and a small integer, exact): Q4_K (nibbles, a scale and minimum per 32) and
-  Q6_K (6-bit codes - 32 held as signed bytes, a scale per 16).
+  held as bytes unless KVRELAY_GGUF_FIVE_BIT=keep, see `FIVE_BIT_ENV`); and the k-quants' super-blocks of 256,
+  whose sub-block scales stay 6- or 8-bit codes beside the super-block's fp32 factors,
+  multiplied in the kernel as gguf dequantizes them (`QuantRows.scale_d`): Q4_K (nibbles,
+  a scale and minimum code per 32: 4.75 bits a weight read) and Q6_K (6-bit codes - 32 held
+  as signed bytes, a scale code per 16: 8.6 bits).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
 concatenated, permuted and checked like a tensor), then packed once into the
@@ -60,13 +61,39 @@ class QuantRows:
     (bits 8 without mins), or unsigned codes as int8 or uint8 (0..15 for bits
     4, 0..31 for bits 5, and 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
     mins: the same, or None. W = codes * scales (+ mins), per group of `group`
-    consecutive k."""
+    consecutive k.
+
+    Coded scales (the k-quants as stored): scales and mins are int8 codes, and scale_d and
+    min_d [n, k // sup] fp32 their factors per `sup` k, the value of a scale being
+    scale_d * code in fp32 (one rounding: gguf's own product), of a minimum min_d * code."""
 
     fmt: str  # "q8_0", "q4_1" or "int8"
     bits: int
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    scale_d: torch.Tensor | None = None
+    min_d: torch.Tensor | None = None
+
+    @property
+    def coded(self) -> bool:
+        return self.scale_d is not None
+
+    @property
+    def sup(self) -> int:
+        """k per factor of coded scales (a k-quant's 256), 0 for plain ones."""
+        return self.codes.shape[1] // self.scale_d.shape[1] if self.coded else 0
+
+    def decoded(self) -> QuantRows:
+        """The same weight with its scales and minimums as fp32 values (coded ones multiplied out)."""
+        if not self.coded:
+            return self
+        r = self.sup // self.group
+
+        def values(codes, d):
+            return None if codes is None else d.repeat_interleave(r, dim=1) * codes.float()
+        return QuantRows(self.fmt, self.bits, self.codes, values(self.scales, self.scale_d),
+                         values(self.mins, self.min_d))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,10 +105,14 @@ class QuantRows:
 
     def map_rows(self, fn) -> QuantRows:
         """The same weight with `fn` (a row permutation, a slice) applied to every part's rows."""
-        return QuantRows(self.fmt, self.bits, fn(self.codes), fn(self.scales),
-                         None if self.mins is None else fn(self.mins))
+        def f(t):
+            return None if t is None else fn(t)
+        return QuantRows(self.fmt, self.bits, fn(self.codes), fn(self.scales), f(self.mins), f(self.scale_d),
+                         f(self.min_d))
 
     def dequantize(self) -> torch.Tensor:  # [n, k] float32
+        if self.coded:
+            return self.decoded().dequantize()
         d = self.scales.float().repeat_interleave(self.group, dim=1)
         if self.mins is None:
             return self.codes.float() * d
@@ -90,8 +121,9 @@ class QuantRows:
     @property
     def form(self) -> tuple:
         """What the kernel needs to know of a weight: code bits, block of k per scale, the scales'
-        dtype, and whether the codes are signed bytes (8-bit, no minimums)."""
-        return (self.bits, self.group, self.scales.dtype, self.mins is None)
+        dtype (int8: codes), whether the codes are signed bytes (8-bit, no minimums), and k per
+        factor of coded scales."""
+        return (self.bits, self.group, self.scales.dtype, self.mins is None) + ((self.sup,) if self.coded else ())
 
     @staticmethod
     def cat(parts: list[QuantRows], what: str) -> QuantRows:
@@ -103,9 +135,11 @@ class QuantRows:
         if len({p.form for p in parts}) > 1:
             parts = _common_form(parts, what)
         first = parts[0]
-        return QuantRows("+".join(dict.fromkeys(p.fmt for p in parts)), first.bits,
-                         torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                         None if first.mins is None else torch.cat([p.mins for p in parts]))
+
+        def cat(name):
+            return None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
+        return QuantRows("+".join(dict.fromkeys(p.fmt for p in parts)), first.bits, cat("codes"), cat("scales"),
+                         cat("mins"), cat("scale_d"), cat("min_d"))
 
 
 def _as_signed(p: QuantRows) -> QuantRows | None:
@@ -113,6 +147,7 @@ def _as_signed(p: QuantRows) -> QuantRows | None:
     held as unsigned codes with minimum -8 or -16 x scale), else None; signed parts as they are."""
     if p.mins is None:
         return p
+    p = p.decoded()
     for off in (8, 16, 32, 64, 128):
         if torch.equal(p.mins.float(), p.scales.float() * -off):
             return QuantRows(p.fmt, 8, (p.codes.to(torch.int16) - off).to(torch.int8), p.scales)
@@ -123,7 +158,9 @@ def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     """`parts` in one form (QuantRows.cat), the values unchanged: 4- and 5-bit codes are 5- and 8-bit
     codes as they are, fp16 widens to fp32 exactly, and signed bytes become unsigned by adding the
     smallest power of two (32, 64 or 128) that does, with the minimum -that x scale (exact), or
-    unsigned codes whose minimum is -2^i x scale become signed bytes (`_as_signed`)."""
+    unsigned codes whose minimum is -2^i x scale become signed bytes (`_as_signed`); coded scales
+    are multiplied out (`QuantRows.decoded`)."""
+    parts = [p.decoded() for p in parts]
     group = math.gcd(*(p.group for p in parts))
     bits = max(p.bits for p in parts)
     bits = 8 if bits == 8 or group % 32 else bits
@@ -183,13 +220,17 @@ class QuantWeight:
     nibble), scales and mins [ceil(n/32), k / group, 32], padding rows zero.
     W = code * scale + min. Signed bytes (8-bit rows without minimums) are held
     + 128 with no minimums stored (`mins` empty): the minimum is -128 x scale,
-    exact."""
+    exact. Coded scales (QuantRows.coded): scales and mins int8 codes, and
+    scale_d and min_d [ceil(n/32), k / sup, 32] fp32 their factors (else, and
+    min_d without minimums, empty)."""
 
-    __slots__ = ("fmt", "bits", "q", "scales", "mins", "n", "k")
+    __slots__ = ("fmt", "bits", "q", "scales", "mins", "scale_d", "min_d", "n", "k")
 
     def __init__(self, fmt: str, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 n: int, k: int):
+                 n: int, k: int, scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None):
         self.fmt, self.bits, self.q, self.scales, self.mins, self.n, self.k = fmt, bits, q, scales, mins, n, k
+        self.scale_d = scale_d if scale_d is not None else torch.empty(0)
+        self.min_d = min_d if min_d is not None else torch.empty(0)
 
     @classmethod
     def pack(cls, rows: QuantRows) -> QuantWeight:
@@ -221,7 +262,8 @@ class QuantWeight:
         def by_block(t):
             return F.pad(t, (0, 0, 0, pad)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
         scales = by_block(rows.scales)
-        return cls(rows.fmt, rows.bits, q, scales, scales.new_empty(0) if mins is None else by_block(mins), n, k)
+        return cls(rows.fmt, rows.bits, q, scales, scales.new_empty(0) if mins is None else by_block(mins), n, k,
+                   *(None if t is None else by_block(t) for t in (rows.scale_d, rows.min_d)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -229,8 +271,8 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        """What a matmul reads: codes, scales and minimums."""
-        return self.q.nbytes + self.scales.nbytes + self.mins.nbytes
+        """What a matmul reads: codes, scales and minimums (and the factors of coded ones)."""
+        return sum(t.nbytes for t in self.tensors())
 
     def _codes(self, q: torch.Tensor) -> torch.Tensor:  # a column's int32 words [..., words] -> codes [..., k] float32
         q = q.contiguous()
@@ -250,19 +292,25 @@ class QuantWeight:
         blk, col = ids // BLOCK, ids % BLOCK
         codes = self._codes(self.q[blk, :, col])  # [T, k]
         group = self.k // self.scales.shape[1]
-        d = self.scales[blk, :, col].float()
-        m = self.mins[blk, :, col].float() if self.mins.numel() else d * -128
+
+        def values(t, f):  # [T, k / group] fp32: coded ones times their factors
+            v = t[blk, :, col].float()
+            if f.numel():
+                v = f[blk, :, col].repeat_interleave(v.shape[1] // f.shape[1], dim=1) * v
+            return v
+        d = values(self.scales, self.scale_d)
+        m = values(self.mins, self.min_d) if self.mins.numel() else d * -128
         return torch.addcmul(m.repeat_interleave(group, dim=1), codes, d.repeat_interleave(group, dim=1))
 
     def dequantize(self) -> torch.Tensor:  # [n, k] float32
         return self.rows(torch.arange(self.n))
 
     def tensors(self) -> list[torch.Tensor]:
-        """(codes, scales, mins) as the native kernels take them."""
-        return [self.q, self.scales, self.mins]
+        """(codes, scales, mins, scale_d, min_d) as the native kernels take them."""
+        return [self.q, self.scales, self.mins, self.scale_d, self.min_d]
 
-    def with_tensors(self, q, scales, mins) -> QuantWeight:
-        return QuantWeight(self.fmt, self.bits, q, scales, mins, self.n, self.k)
+    def with_tensors(self, q, scales, mins, scale_d, min_d) -> QuantWeight:
+        return QuantWeight(self.fmt, self.bits, q, scales, mins, self.n, self.k, scale_d, min_d)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> [...] float16
@@ -318,13 +366,13 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
         sc, mn = _k_scales(raw[..., 4:16])
         codes = _nibbles(raw[..., 16:].reshape(n, k // per, 4, 32))
-        return QuantRows("q4_k", 4, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
+        return QuantRows("q4_k", 4, t(codes, np.int8), t(sc, np.int8), t(mn, np.int8), t(d), t(-dmin))
     if type_name == "Q5_K":  # as Q4_K, with 32 bytes of fifth bits between: k 32 i + j in bit i of byte j
         d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
         sc, mn = _k_scales(raw[..., 4:16])
         high = (raw[..., 16:48].reshape(n, k // per, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
         codes = _nibbles(raw[..., 48:].reshape(n, k // per, 4, 32)).reshape(n, k // per, 8, 32) | (high << 4)
-        return QuantRows("q5_k", 5, t(codes, np.int8), t(d[..., None] * sc), t(-(dmin[..., None] * mn)))
+        return QuantRows("q5_k", 5, t(codes, np.int8), t(sc, np.int8), t(mn, np.int8), t(d), t(-dmin))
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 k), d. Each half of
     # 128 k: low nibbles of its 64 bytes for k 0-63, high nibbles for 64-127; its 32 high bytes hold
     # k 32 r + j in bits 2r, 2r + 1 of byte j.
@@ -332,7 +380,7 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
     high = (raw[..., 128:192].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     codes = (low | (high.reshape(low.shape) << 4)).astype(np.int16) - 32
     d = _f16(raw[..., 208:210]).astype(np.float32)
-    return QuantRows("q6_k", 8, t(codes, np.int8), t(d[..., None] * raw[..., 192:208].view(np.int8)))
+    return QuantRows("q6_k", 8, t(codes, np.int8), t(raw[..., 192:208].view(np.int8)), None, t(d))
 
 
 def held_five_bit(rows: QuantRows) -> QuantRows:
@@ -341,7 +389,8 @@ def held_five_bit(rows: QuantRows) -> QuantRows:
     if rows.bits != 5:
         return rows
     signed = _as_signed(rows)
-    return signed if signed is not None else QuantRows(rows.fmt, 8, rows.codes, rows.scales, rows.mins)
+    return signed if signed is not None else QuantRows(rows.fmt, 8, rows.codes, rows.scales, rows.mins,
+                                                       rows.scale_d, rows.min_d)
 
 
 def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows]]:

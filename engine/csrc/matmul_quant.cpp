@@ -88,10 +88,14 @@ struct XBlock {
   int32_t digit_sum(int j) const { return dsum[0][j] + dsum[1][j]; }
 };
 
-template <bool F16>
-inline V load_scale(const void* p, int64_t i) {
-  if constexpr (F16)
+// The scales (or minimums) of kL columns at index i: fp16 or fp32 values, or int8 codes times
+// their fp32 factors at index fi (one rounding, as gguf dequantizes them).
+template <int SF>
+inline V load_scale(const void* p, const float* factor, int64_t i, int64_t fi) {
+  if constexpr (SF == kScaleF16)
     return IVec::load_f16(static_cast<const uint16_t*>(p) + i);
+  else if constexpr (SF == kScaleCoded)
+    return Vec::mul(Vec::load(factor + fi), IVec::load_i8(static_cast<const int8_t*>(p) + i));
   else
     return Vec::load(static_cast<const float*>(p) + i);
 }
@@ -186,7 +190,7 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 // with minimums of their own (else signed, held + 128, the minimum -128 scale implied); 4-bit
 // codes always have minimums. BITS 5: 4-bit words of the low bits, and after a block-row's words
 // one word per 32 k of its fifth bits (quant.h), spread into bit 4 of each code's byte in registers.
-template <int BITS, bool F16, int MR, int NV, int H, bool MINS>
+template <int BITS, int SF, int MR, int NV, int H, bool MINS>
 KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
                               int64_t b, int64_t h, float* y, int64_t N, int64_t cols) {
   constexpr int64_t kPass = NV * kL;
@@ -198,6 +202,7 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   constexpr bool kOffset = BITS == 8 && !MINS;  // signed codes held + 128
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
+  const int64_t sups = SF == kScaleCoded ? K / w.sup : 1, per_sup = SF == kScaleCoded ? w.sup / w.group : 1;
   const int64_t row_words = BITS == 5 ? K / 8 + K / 32 : K / P;  // words of a column per block-row
   const int32_t* qw = w.q + b * row_words * kPackedCols + h;
   const int32_t* qh = qw + (K / 8) * kPackedCols;  // BITS 5: the fifth bits, a word per 32 k
@@ -248,12 +253,13 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
       }
     }
     if (H == 1) qw += (kWords - nw) * kPackedCols;
-    const int64_t at = (b * groups + (H == 2 ? 2 * blk + hf : g)) * kPackedCols + h;
+    const int64_t gi = H == 2 ? 2 * blk + hf : g;
+    const int64_t at = (b * groups + gi) * kPackedCols + h, sat = (b * sups + gi / per_sup) * kPackedCols + h;
     if (H == 1 && ++in_group == per_group) ++g, in_group = 0;
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
-      const V d = load_scale<F16>(w.scales, at + c * kL);
-      const V mn = kOffset ? Vec::zero() : load_scale<F16>(w.mins, at + c * kL);
+      const V d = load_scale<SF>(w.scales, w.scale_d, at + c * kL, sat + c * kL);
+      const V mn = kOffset ? Vec::zero() : load_scale<SF>(w.mins, w.min_d, at + c * kL, sat + c * kL);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const XBlock& xm = xb[m * blocks + blk];
@@ -282,25 +288,25 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
 }
 
 // Rows [0, MR) against block b of W (`cols` of its columns valid), pass by pass.
-template <int BITS, bool F16, int H, bool MINS, int MR>
+template <int BITS, int SF, int H, bool MINS, int MR>
 void tile(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w, int64_t b, float* y,
           int64_t N, int64_t cols) {
   constexpr int64_t pass = kNV<MR> * kL;
   for (int64_t h = 0; h < cols; h += pass)
-    tile_pass<BITS, F16, MR, kNV<MR>, H, MINS>(digits, xb, stride, w, b, h, y, N, cols);
+    tile_pass<BITS, SF, MR, kNV<MR>, H, MINS>(digits, xb, stride, w, b, h, y, N, cols);
 }
 
 using TileFn = void (*)(const int32_t*, const XBlock*, int64_t, const QuantMatrix&, int64_t, float*, int64_t, int64_t);
 
-template <int BITS, bool F16, int H, bool MINS, int... R>
+template <int BITS, int SF, int H, bool MINS, int... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile<BITS, F16, H, MINS, R + 1>...};
+  return {nullptr, &tile<BITS, SF, H, MINS, R + 1>...};
 }
 
-template <int BITS, bool F16, int H = 1, bool MINS = BITS != 8>
+template <int BITS, int SF, int H = 1, bool MINS = BITS != 8>
 void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   constexpr int R = kRows<BITS>;
-  static constexpr auto table = tile_table<BITS, F16, H, MINS>(std::make_integer_sequence<int, R>{});
+  static constexpr auto table = tile_table<BITS, SF, H, MINS>(std::make_integer_sequence<int, R>{});
   const int64_t N = w.n, K = w.k, blocks = (K + kBlockK - 1) / kBlockK;
   const int64_t wblocks = (N + kPackedCols - 1) / kPackedCols, stride = blocks * kBlockInts;
   std::vector<int32_t> digits(M * stride);
@@ -327,30 +333,44 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
   if (M <= 0) return;
   const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
-  if (w.bits == 4 && w.f16)
-    matmul_fmt<4, true>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
-  else if (w.bits == 4)
-    matmul_fmt<4, false>(x, w, y, M, threads);  // Q4_K: fp32 scales and minimums per 32 k
-  else if (w.bits == 5 && w.f16)
-    matmul_fmt<5, true>(x, w, y, M, threads);  // Q5_0 (its minimum -16 scale) and Q5_1
-  else if (w.bits == 5)
-    matmul_fmt<5, false>(x, w, y, M, threads);  // Q5_K
-  else if (w.f16 && !w.mins)
-    matmul_fmt<8, true>(x, w, y, M, threads);  // Q8_0 (and Q5_0 or Q4_0 beside it in a fused matmul)
-  else if (w.f16)
-    matmul_fmt<8, true, 1, true>(x, w, y, M, threads);  // unsigned bytes with fp16 minimums
-  else if (!w.mins && g16)
-    matmul_fmt<8, false, 2>(x, w, y, M, threads);  // Q6_K: an fp32 scale per 16 k
-  else if (!w.mins)
-    matmul_fmt<8, false>(x, w, y, M, threads);  // int8, one fp32 scale per row
-  else if (g16)
-    matmul_fmt<8, false, 2, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 16 k
-  else
-    matmul_fmt<8, false, 1, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 32 k
+  constexpr int F32 = kScaleF32, F16 = kScaleF16, CODED = kScaleCoded;
+  if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
+    if (w.bits == 4)
+      matmul_fmt<4, CODED>(x, w, y, M, threads);  // Q4_K
+    else if (w.bits == 5)
+      matmul_fmt<5, CODED>(x, w, y, M, threads);  // Q5_K
+    else if (w.mins)
+      matmul_fmt<8, CODED, 1, true>(x, w, y, M, threads);  // Q5_K held as bytes
+    else if (g16)
+      matmul_fmt<8, CODED, 2>(x, w, y, M, threads);  // Q6_K: a scale code per 16 k
+    else
+      matmul_fmt<8, CODED>(x, w, y, M, threads);
+  } else if (w.bits == 4 && w.form == F16) {
+    matmul_fmt<4, F16>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
+  } else if (w.bits == 4) {
+    matmul_fmt<4, F32>(x, w, y, M, threads);  // fp32 scales and minimums per 32 k (4-bit parts fused)
+  } else if (w.bits == 5 && w.form == F16) {
+    matmul_fmt<5, F16>(x, w, y, M, threads);  // Q5_0 (its minimum -16 scale) and Q5_1
+  } else if (w.bits == 5) {
+    matmul_fmt<5, F32>(x, w, y, M, threads);  // 5-bit parts fused with Q5_K
+  } else if (w.form == F16 && !w.mins) {
+    matmul_fmt<8, F16>(x, w, y, M, threads);  // Q8_0 (and Q5_0 or Q4_0 beside it in a fused matmul)
+  } else if (w.form == F16) {
+    matmul_fmt<8, F16, 1, true>(x, w, y, M, threads);  // unsigned bytes with fp16 minimums
+  } else if (!w.mins && g16) {
+    matmul_fmt<8, F32, 2>(x, w, y, M, threads);  // an fp32 scale per 16 k (Q6_K parts fused)
+  } else if (!w.mins) {
+    matmul_fmt<8, F32>(x, w, y, M, threads);  // int8, one fp32 scale per row
+  } else if (g16) {
+    matmul_fmt<8, F32, 2, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 16 k
+  } else {
+    matmul_fmt<8, F32, 1, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 32 k
+  }
 }
 
-QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t k,
-                         int64_t bits, const char* what) {
+QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                         const at::Tensor& scale_d, const at::Tensor& min_d, int64_t n, int64_t k, int64_t bits,
+                         const char* what) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, what, ": bits must be 4, 5 or 8, got ", bits);
   // words of a column per k: 5-bit codes take a word per 8 k (their low bits) and one per 32 (the fifth)
   const int64_t per = bits == 8 ? 4 : 8, blocks = (n + kPackedCols - 1) / kPackedCols;
@@ -361,22 +381,51 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
               what, ": codes of shape ", q.sizes(), " are not a quantized [", n, ", ", k, "] matrix of ", bits,
               "-bit codes");
   k = bits == 5 ? q.size(1) / 5 * 32 : q.size(1) * per;
-  const bool f16 = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK((f16 || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 3 &&
+  const bool f16 = scales.scalar_type() == at::kHalf, coded = scales.scalar_type() == at::kChar;
+  TORCH_CHECK((f16 || coded || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == blocks && scales.size(1) > 0 && k % scales.size(1) == 0 &&
                   (k / scales.size(1)) % per == 0 && scales.size(2) == kPackedCols,
               what, ": scales of shape ", scales.sizes(), " do not fit codes of shape ", q.sizes());
   const int64_t group = k / scales.size(1);
   TORCH_CHECK(group % 32 == 0 || scales.size(1) == 1 || (group == 16 && bits == 8 && !f16 && k % 32 == 0), what,
               ": a group of ", group, " k is neither a multiple of 32 nor the whole row (nor 16, for 8-bit codes "
-              "with fp32 scales and k a multiple of 32)");
+              "with fp32 or coded scales and k a multiple of 32)");
   // 8-bit codes without minimums (an empty tensor): signed, held + 128, the minimum -128 scale
   const bool no_mins = bits == 8 && mins.defined() && mins.numel() == 0;
   TORCH_CHECK(no_mins || (mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
                           mins.sizes() == scales.sizes()),
               what, ": minimums must have the scales' type and shape (or, for 8-bit codes, be empty)");
-  return {q.data_ptr<int32_t>(), scales.data_ptr(), no_mins ? nullptr : mins.data_ptr(), n, k, group,
-          static_cast<int>(bits), f16};
+  // coded scales: an fp32 factor per `sup` k and column for the scale codes, and one for the minimum codes
+  auto factors = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 &&
+                    t.size(0) == blocks && t.size(1) > 0 && k % t.size(1) == 0 && (k / t.size(1)) % group == 0 &&
+                    t.size(2) == kPackedCols,
+                what, ": ", name, " of shape ", t.sizes(), " are not fp32 factors per whole groups of ", group,
+                " k of codes of shape ", q.sizes());
+  };
+  int64_t sup = 0;
+  if (coded) {
+    factors(scale_d, "scale factors");
+    sup = k / scale_d.size(1);
+    if (!no_mins) {
+      factors(min_d, "minimum factors");
+      TORCH_CHECK(min_d.sizes() == scale_d.sizes(), what, ": minimum factors must have the scale factors' shape");
+    }
+  } else {
+    TORCH_CHECK((!scale_d.defined() || scale_d.numel() == 0) && (!min_d.defined() || min_d.numel() == 0), what,
+                ": scale factors are for int8 scale codes, not ", scales.scalar_type(), " scales");
+  }
+  return {q.data_ptr<int32_t>(),
+          scales.data_ptr(),
+          no_mins ? nullptr : mins.data_ptr(),
+          coded ? scale_d.data_ptr<float>() : nullptr,
+          coded && !no_mins ? min_d.data_ptr<float>() : nullptr,
+          n,
+          k,
+          group,
+          sup,
+          static_cast<int>(bits),
+          coded ? kScaleCoded : f16 ? kScaleF16 : kScaleF32};
 }
 
 }  // namespace kvrelay
@@ -384,9 +433,11 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
 // y [M, n] = x [M, K] @ W^T, fp32, W quantized (engine/quant.py QuantWeight).
 // threads <= 0: torch's intra-op thread count.
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                           const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads) {
+                           const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads,
+                           const c10::optional<torch::Tensor>& scale_d, const c10::optional<torch::Tensor>& min_d) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_quant: x must be [M, K] fp32");
-  const auto w = kvrelay::quant_matrix(q, scales, mins, n, x.size(1), bits, "linear_quant");
+  const auto w = kvrelay::quant_matrix(q, scales, mins, scale_d.value_or(torch::Tensor()),
+                                       min_d.value_or(torch::Tensor()), n, x.size(1), bits, "linear_quant");
   auto xc = x.contiguous();
   auto y = torch::empty({xc.size(0), n}, xc.options());
   kvrelay::matmul_quant(xc.data_ptr<float>(), w, y.data_ptr<float>(), xc.size(0),
@@ -399,9 +450,11 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const
 // fma(code, scale, min), one rounding, as torch's addcmul there; for the fp16-scaled GGUF
 // formats the product is exact anyway).
 torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& mins,
-                         const torch::Tensor& ids, int64_t n, int64_t bits) {
+                         const torch::Tensor& ids, int64_t n, int64_t bits, const c10::optional<torch::Tensor>& scale_d,
+                         const c10::optional<torch::Tensor>& min_d) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids must be a 1-D int64 tensor");
-  const auto w = kvrelay::quant_matrix(q, scales, mins, n, 0, bits, "quant_rows");
+  const auto w = kvrelay::quant_matrix(q, scales, mins, scale_d.value_or(torch::Tensor()),
+                                       min_d.value_or(torch::Tensor()), n, 0, bits, "quant_rows");
   const auto idc = ids.contiguous();
   const int64_t T = idc.size(0), K = w.k, per = w.bits == 8 ? 4 : 8, G = w.group, groups = K / G;
   const int64_t* id = idc.data_ptr<int64_t>();
@@ -411,8 +464,13 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
   float* out = y.data_ptr<float>();
   const int64_t row_words = w.bits == 5 ? K / 8 + K / 32 : K / per;  // a column's words in its block-row
   const uint32_t mask = w.bits == 8 ? 255u : 15u;
-  auto scale = [&](const void* p, int64_t i) {
-    return w.f16 ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  const int64_t sups = w.form == kvrelay::kScaleCoded ? K / w.sup : 1;
+  // the scale (or minimum) of group g at index i: coded ones times their factor (f: scale_d or min_d)
+  auto scale = [&](const void* p, const float* f, int64_t i, int64_t b, int64_t g, int64_t c) {
+    if (w.form == kvrelay::kScaleCoded)
+      return f[(b * sups + g * G / w.sup) * kvrelay::kPackedCols + c] * static_cast<float>(static_cast<const int8_t*>(p)[i]);
+    return w.form == kvrelay::kScaleF16 ? static_cast<float>(static_cast<const c10::Half*>(p)[i])
+                                        : static_cast<const float*>(p)[i];
   };
   for (int64_t t = 0; t < T; ++t) {
     const int64_t b = id[t] / kvrelay::kPackedCols, c = id[t] % kvrelay::kPackedCols;
@@ -421,7 +479,8 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
     float* row = out + t * K;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
-      const float d = scale(w.scales, at), mn = w.mins ? scale(w.mins, at) : -128.f * d;  // (exact)
+      const float d = scale(w.scales, w.scale_d, at, b, g, c);
+      const float mn = w.mins ? scale(w.mins, w.min_d, at, b, g, c) : -128.f * d;  // (exact)
       for (int64_t k = g * G; k < (g + 1) * G; k += per) {
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
         for (int64_t j = 0; j < per; ++j) {

@@ -12,13 +12,20 @@
 //                             bits per 32 k, k = 8 wi + j of the 32 at bit 8 j + 4 + wi (j < 4) or
 //                             8 (j - 4) + wi, so that word wi's bits are bit 4 of its bytes after one
 //                             shift and mask
-//   scales[b][k / group][c]   fp16 (a GGUF's own) or fp32 (int8 made at load)
+//   scales[b][k / group][c]   fp16 (a GGUF's own), fp32 (int8 made at load), or int8 codes
+//                             (the k-quants' 6-bit sub-block scales, as stored)
 //   mins[b][k / group][c]     the same type; for 8-bit codes, absent (an empty tensor) where
 //                             the codes are signed bytes held + 128 (Q8_0, Q5_0, Q6_K, int8)
+//   scale_d[b][k / sup][c]    int8 scale codes only: fp32 factors, one per `sup` k (a k-quant's
+//   min_d[b][k / sup][c]      super-block of 256: its fp16 d and -dmin), so scale = scale_d * code
+//                             and min = min_d * code in fp32, one rounding each, the products
+//                             llama.cpp and gguf dequantize with
 //
 // so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits), and
 // without minimums min = -128 scale, exact. group: 32 or more (or the whole
-// row), or 16 for 8-bit codes with fp32 scales (Q6_K).
+// row), or 16 for 8-bit codes with fp32 or coded scales (Q6_K). Coded scales
+// read 3 bytes per 32 k of a column where fp32 ones read 8: Q4_K 4.75 bits a
+// weight instead of 6.0, Q6_K as bytes 8.6 instead of 10.
 // A k-word of a block is 32 words = 128 bytes, read as vector-sized runs of
 // columns; a word's codes are bytes as they are (8 bits) or one mask (and a
 // shift) away (4 bits), for all lanes at once, with no shuffles.
@@ -31,13 +38,18 @@
 
 namespace kvrelay {
 
+// How a matrix's scales and minimums are held.
+enum ScaleForm : int { kScaleF32 = 0, kScaleF16 = 1, kScaleCoded = 2 };
+
 struct QuantMatrix {
   const int32_t* q;
   const void* scales;
-  const void* mins;  // null: 8-bit signed codes held + 128
-  int64_t n, k, group;
-  int bits;          // 8: bytes, 4: nibbles, 5: nibbles and a plane of fifth bits
-  bool f16;          // scales and mins are fp16 (else fp32)
+  const void* mins;      // null: 8-bit signed codes held + 128
+  const float* scale_d;  // kScaleCoded: the factors of the scale codes, per sup k (else null)
+  const float* min_d;    // kScaleCoded with mins: the factors of the minimum codes
+  int64_t n, k, group, sup;
+  int bits;              // 8: bytes, 4: nibbles, 5: nibbles and a plane of fifth bits
+  ScaleForm form;
 };
 
 // y[M, n] = x[M, k] @ W^T in fp32, W quantized; rows of x and y contiguous; any M.
@@ -49,10 +61,12 @@ struct QuantMatrix {
 // whatever M is: a row's result does not depend on its batch or the ISA.
 void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads);
 // The QuantMatrix of tensors q (int32 [ceil(n/32), k/per, 32]), scales and mins
-// ([ceil(n/32), k/group, 32], both fp16 or both fp32), checked;
+// ([ceil(n/32), k/group, 32], both fp16, fp32 or int8 codes) and, for codes, scale_d
+// and min_d (fp32 [ceil(n/32), k/sup, 32]; min_d empty where mins is), checked;
 // `what` names the caller. k = 0: any k (taken from q), else q must hold k.
-QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t k,
-                         int64_t bits, const char* what);
+QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                         const at::Tensor& scale_d, const at::Tensor& min_d, int64_t n, int64_t k, int64_t bits,
+                         const char* what);
 
 // Integer dot products of unsigned 8-bit codes with signed 8-bit digits of
 // the activations (matmul_quant.cpp), for all lanes at once: each 32-bit lane
@@ -98,6 +112,9 @@ struct IVec {
   static __m512 load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static __m512 load_i8(const int8_t* p) {  // 16 signed bytes as fp32
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 };
 #else
 struct IVec {
@@ -131,6 +148,9 @@ struct IVec {
   }
   static __m256 load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static __m256 load_i8(const int8_t* p) {  // 8 signed bytes as fp32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
 };
 #endif

@@ -11,13 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import ISA_NAMES, QuantOps, cpu_isas, load_native_ops
-from engine.quant import QuantError, QuantRows, QuantWeight, gguf_rows, quantize_int8
+from engine.quant import QuantError, QuantRows, QuantWeight, gguf_rows, held_five_bit, quantize_int8
 from tests.conftest import require_isa
 
 # q8_0, q6_k, int8: signed bytes; q5_0, q5_1, q5_k: 5-bit codes (nibbles and a plane of fifth bits)
-# with minimums; mixed: parts in several formats read as one; q6_k and mixed (with a q6_k part)
-# scaled per 16 k
-FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "mixed")
+# with minimums; q4_k, q5_k, q5_k_bytes (held_five_bit's form) and q6_k: coded scales, as a GGUF
+# stores them; mixed*: parts in several formats read as one, with fp32 scales (mixed: bytes with
+# minimums per 16 k; mixed4: nibbles; mixed5: 5-bit codes; mixed6: signed bytes per 16 k); q6_k,
+# mixed and mixed6 scaled per 16 k
+FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q5_k_bytes", "q6_k", "mixed",
+           "mixed4", "mixed5", "mixed6")
+MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),  # q|k|v of a llama.cpp Q4_K_M layer
+         "mixed4": ("q4_k", "q4_1", "q4_0"), "mixed5": ("q5_k", "q5_1", "q5_0"), "mixed6": ("q6_k", "q8_0", "q6_k")}
 
 
 @pytest.fixture(scope="session", params=ISA_NAMES)
@@ -34,24 +39,34 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
     g = torch.Generator().manual_seed(seed)
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=g) * 0.05)
-    if fmt == "mixed":  # q|k|v of a llama.cpp Q4_K_M layer: q4_k, q6_k and q8_0 parts, read as one form
+    if fmt in MIXES:  # parts in three formats, read as one form
         a, b = max(n // 3, 1), max(2 * n // 3, 1)
-        parts = [_rows(f, r, k, seed + i) for i, (f, r) in enumerate([("q4_k", a), ("q6_k", b - a), ("q8_0", n - b)])]
+        parts = [_rows(f, r, k, seed + i) for i, (f, r) in enumerate(zip(MIXES[fmt], (a, b - a, n - b)))]
         return QuantRows.cat([p for p in parts if p.shape[0]], "t")
+    if fmt == "q5_k_bytes":
+        return held_five_bit(_rows("q5_k", n, k, seed))
     group = 16 if fmt == "q6_k" else 32
-    d = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
-    d = d.half() if fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") else d.half().float() * torch.randint(
-        1, 64, d.shape, generator=g)  # the k-quants: an fp16 times a 6-bit scale, in fp32
+    if fmt.endswith("_k"):  # coded: 6-bit scale (and minimum) codes, an fp16 factor per super-block
+        sup = next(s for s in (256, 128, 64, 32) if k % s == 0)  # (a GGUF's is 256)
+        d = (torch.rand(n, k // sup, generator=g) * 0.002 + 1e-4).half().float()
+        dmin = (torch.rand(n, k // sup, generator=g) * 0.002).half().float()
+        sc = (torch.randint(-128, 128, (n, k // group), generator=g) if fmt == "q6_k"
+              else torch.randint(0, 64, (n, k // group), generator=g)).to(torch.int8)
+        mn = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.int8)
+        if fmt == "q6_k":
+            return QuantRows(fmt, 8, torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8), sc, None, d)
+        bits = 4 if fmt == "q4_k" else 5
+        codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int8)
+        return QuantRows(fmt, bits, codes, sc, mn, d, -dmin)
+    d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
     m = torch.randn(n, k // 32, generator=g) * 0.1
-    if fmt in ("q8_0", "q6_k"):
-        lo = {"q8_0": -128, "q6_k": -32}[fmt]
-        return QuantRows(fmt, 8, torch.randint(lo, -lo, (n, k), generator=g, dtype=torch.int8), d)
-    if fmt in ("q5_0", "q5_1", "q5_k"):
+    if fmt == "q8_0":
+        return QuantRows(fmt, 8, torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
+    if fmt in ("q5_0", "q5_1"):
         codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
         return QuantRows(fmt, 5, codes, d, -16 * d if fmt == "q5_0" else m.to(d.dtype))
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-    m = -8 * d if fmt == "q4_0" else m.to(d.dtype)
-    return QuantRows("q4_k" if fmt == "q4_k" else "q4_1", 4, codes, d, m)
+    return QuantRows("q4_1", 4, codes, d, -8 * d if fmt == "q4_0" else m.to(d.dtype))
 
 
 def _ref(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
@@ -108,6 +123,8 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     for raw in raws:
         rows = gguf_rows(raw, qtype.name, (n, k), "t")
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
+        assert torch.equal(QuantWeight.pack(rows).dequantize(), _gguf_dequantized(raw, qtype, n, k))
+    assert rows.coded == qtype.name.endswith("_K")  # the k-quants' scales kept as stored
     assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q4_K") else 5 if qtype.name.startswith("Q5") else 8)
 
 
@@ -125,7 +142,8 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q6_k", "q8_0"), (8, 16, torch.float32, True)),  # signed bytes stay signed
     (("q5_0", "q5_1"), (5, 32, torch.float16, False)),  # 5-bit codes with minimums both: joined as they are
     (("q4_1", "q5_k"), (5, 32, torch.float32, False)),  # 4-bit codes are 5-bit codes
-    (("q4_k", "q4_k"), (4, 32, torch.float32, False)),
+    (("q4_k", "q4_k"), (4, 32, torch.int8, False, 64)),  # one coded form: joined with their codes as stored
+    (("q6_k", "q6_k"), (8, 16, torch.int8, True, 64)),
 ])
 def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):
     """q|k|v or gate|up whose parts are stored in different formats are read in one form that holds
@@ -138,6 +156,49 @@ def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form)
     assert torch.equal(p.dequantize(), fused.dequantize())
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     _close(quant_ops.linear(x, p), _ref(x, fused), 64)
+
+
+# bits a weight each coded form reads (codes, scale and minimum codes, fp32 factors per 256 k)
+CODED_BITS = {"q4_k": 4 + 16 / 32 + 64 / 256, "q5_k": 5 + 16 / 32 + 64 / 256, "q5_k_bytes": 8 + 16 / 32 + 64 / 256,
+              "q6_k": 8 + 8 / 16 + 32 / 256}
+PLAIN_BITS = {"q4_k": 4 + 64 / 32, "q5_k": 5 + 64 / 32, "q5_k_bytes": 8 + 64 / 32, "q6_k": 8 + 32 / 16}  # fp32
+
+
+@pytest.mark.parametrize("fmt", CODED_BITS)
+def test_coded_scales_compute_what_their_products_do(quant_ops, fmt):
+    """A k-quant's scale codes and factors, multiplied in the kernel, give the same bits as the
+    same weight with its scales multiplied out to fp32 beforehand (what was held before), for
+    decode rows, a prefill and the embedding lookup; and they read fewer bytes: Q4_K 4.75 bits a
+    weight where fp32 scales and minimums read 6, Q6_K 8.625 where they read 10."""
+    coded = _rows(fmt, 100, 512, seed=12)
+    assert coded.coded and coded.sup == 256 and not coded.decoded().coded
+    pc, pf = QuantWeight.pack(coded), QuantWeight.pack(coded.decoded())
+    assert pc.scales.dtype == torch.int8 and pf.scales.dtype == torch.float32
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(13))
+    for m in (1, 2, 3, 7, 20, 300):
+        got = quant_ops.linear(x[:m], pc)
+        assert torch.equal(got, quant_ops.linear(x[:m], pf)), m
+    _close(got, _ref(x, coded), 512)
+    ids = torch.tensor([0, 31, 99, 64])
+    assert torch.equal(quant_ops.embedding(ids, pc), pf.rows(ids)) and torch.equal(pc.rows(ids), pf.rows(ids))
+    weights = 128 * 512  # 100 rows padded to 4 blocks of 32
+    assert pc.nbytes * 8 / weights == CODED_BITS[fmt]
+    assert pf.nbytes * 8 / weights == PLAIN_BITS[fmt]
+
+
+def test_coded_scales_without_their_factors_are_refused(quant_ops):
+    p = QuantWeight.pack(_rows("q4_k", 64, 256))
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="scale factors of shape"):
+        quant_ops.ext.linear_quant(x, p.q, p.scales, p.mins, 64, 4)
+    with pytest.raises(RuntimeError, match="minimum factors"):
+        quant_ops.ext.linear_quant(x, p.q, p.scales, p.mins, 64, 4, scale_d=p.scale_d)
+    with pytest.raises(RuntimeError, match="scale factors of shape .* whole groups of 32"):
+        quant_ops.ext.linear_quant(x, p.q, p.scales, p.mins, 64, 4, scale_d=p.scale_d[:, :, :16].contiguous(),
+                                   min_d=p.min_d)
+    f = QuantWeight.pack(_rows("q4_1", 64, 256))
+    with pytest.raises(RuntimeError, match="scale factors are for int8 scale codes"):
+        quant_ops.ext.linear_quant(x, f.q, f.scales, f.mins, 64, 4, scale_d=p.scale_d, min_d=p.min_d)
 
 
 def test_int8_is_per_row_symmetric():
