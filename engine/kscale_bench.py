@@ -1,0 +1,143 @@
+"""k-quant scales held as stored (6- or 8-bit codes and an fp32 factor per 256 k) or multiplied
+out to fp32 per 16 or 32 k, side by side.
+
+    python -m engine.kscale_bench                      # every ISA path this CPU runs, 1 and 2 threads
+    python -m engine.kscale_bench --rounds 5 --write
+
+A decode step's matmuls for one layer of a Llama-3-8B-shaped model (q|k|v 6144 x 4096, o 4096 x
+4096, gate|up 28672 x 4096, down 4096 x 14336: 218M weights, far past any cache), all in one GGUF
+type, run back to back for 1 and for 8 token rows. Both forms of the same weights are packed in
+one process and timed in interleaved rounds, each round's ratio taken within the round (these
+machines are shared and noisy). The codes are random bytes with finite super-block factors, so
+every bit of the packed scales is in play; the two forms give the same bits, checked each run.
+The memory wall is the layer's bytes over the read bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+SECTION = "## k-quant scales: held as stored or multiplied out"
+TYPES = ("Q4_K", "Q6_K")
+SHAPES = (("q|k|v", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
+
+
+def random_rows(type_name: str, n: int, k: int, seed: int):
+    """A GGUF tensor of `type_name` with random codes and scales (QuantRows, coded scales)."""
+    import gguf
+    import numpy as np
+
+    from engine.quant import gguf_rows
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for i, v in zip([size - 2] if type_name == "Q6_K" else [0, 2], (0.004, 0.002)):  # fp16 d (and dmin): finite
+        raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+    return gguf_rows(raw.reshape(n, -1), type_name, (n, k), f"random {type_name}")
+
+
+def read_gb_s() -> float:
+    """The read bandwidth of this process's threads: the fastest of 3 fp32 sums of 512 MB (as engine.bench)."""
+    import torch
+
+    big = torch.ones(128 << 20, dtype=torch.float32)
+    big.sum()
+    best = min(_timed(big.sum) for _ in range(3))
+    return big.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], rounds: int, reps: int,
+        shrink: int = 1) -> str:
+    import torch
+
+    from engine.kernels import QuantOps, load_native_ops
+    from engine.quant import QuantWeight
+
+    shapes = [(name, n // shrink, k // shrink) for name, n, k in SHAPES]
+    if any(k % 256 for _, _, k in shapes):
+        raise SystemExit(f"--shrink {shrink}: rows of {[k for _, _, k in shapes]} are not whole super-blocks of 256")
+    lines = []
+    for type_name in types:
+        coded = [random_rows(type_name, n, k, i) for i, (_, n, k) in enumerate(shapes)]
+        forms = {"stored": [QuantWeight.pack(r) for r in coded],
+                 "fp32": [QuantWeight.pack(r.decoded()) for r in coded]}
+        del coded
+        mb = {f: sum(w.nbytes for w in ws) / 1e6 for f, ws in forms.items()}
+        weights = sum(n * k for _, n, k in shapes)
+        for isa in isas:
+            ops = QuantOps(load_native_ops(isa))
+            for t in threads:
+                torch.set_num_threads(t)
+                wall = read_gb_s()
+                for m in rows:
+                    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(k)) for _, _, k in shapes]
+
+                    def layer(ws):
+                        return [ops.linear(x, w) for x, w in zip(xs, ws)]
+                    same = all(torch.equal(a, b) for a, b in zip(layer(forms["stored"]), layer(forms["fp32"])))
+                    ms = {f: [] for f in forms}
+                    for r in range(rounds):
+                        for f, ws in forms.items():
+                            layer(ws)
+                            ms[f].append(statistics.median(_timed(lambda: layer(ws)) for _ in range(reps)) * 1e3)
+                        print(f"{type_name} {isa} {t} thread(s) {m} row(s) round {r + 1}/{rounds}: "
+                              + ", ".join(f"{f} {v[-1]:.2f} ms" for f, v in ms.items()), file=sys.stderr)
+                    speedups = [b / a for a, b in zip(ms["stored"], ms["fp32"])]
+                    med = {f: statistics.median(v) for f, v in ms.items()}
+                    at_wall = {f: mb[f] / 1e3 / wall / (med[f] / 1e3) for f in forms}
+                    lines.append(
+                        f"| {type_name} | {isa} | {t} | {m} | {med['fp32']:.2f} ({at_wall['fp32']:.0%}) "
+                        f"| {med['stored']:.2f} ({at_wall['stored']:.0%}) | {wall:.1f} "
+                        f"| {', '.join(f'{x:.2f}' for x in speedups)} | **{statistics.median(speedups):.2f}x** "
+                        f"| {'yes' if same else 'NO'} |")
+        lines.append(f"| {type_name}: MB a layer | | | | {mb['fp32']:.1f} ({mb['fp32'] * 8e6 / weights:.3g} bits "
+                     f"a weight) | {mb['stored']:.1f} ({mb['stored'] * 8e6 / weights:.3g} bits) | | | | |")
+        del forms
+    return ("| type | ISA path | threads | token rows | fp32 scales: ms (of the wall) | stored codes: ms "
+            "(of the wall) | read GB/s | fp32 / stored time, each round | median | same bits |\n"
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---|\n" + "\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.benchmarks_md import cpu_isa_text, provenance, write_section
+    from engine.kernels import cpu_isas
+
+    p = argparse.ArgumentParser(prog="python -m engine.kscale_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", default=",".join(TYPES), help="GGUF k-quant types, comma-separated")
+    p.add_argument("--isa", default=",".join(cpu_isas()), help="kernel ISA paths, comma-separated")
+    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument("--rows", default="1,8", help="token rows per matmul (decode batch sizes), comma-separated")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9, help="timed calls per round and form (the median is kept)")
+    p.add_argument("--shrink", type=int, default=1, help="divide every matrix's sides by this (a quick check)")
+    p.add_argument("--write", action="store_true", help=f"replace the section {SECTION!r} of BENCHMARKS.md")
+    args = p.parse_args(argv)
+
+    def split(text, fn=str):
+        return [fn(s) for s in text.split(",") if s]
+    body = run(split(args.types), split(args.isa), split(args.threads, int), split(args.rows, int), args.rounds,
+               args.reps, args.shrink)
+    command = "python -m engine.kscale_bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    text = (f"{SECTION}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
+            "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, with the scales held as "
+            "stored (6- or 8-bit codes and fp32 factors per 256 k) and multiplied out to fp32, side by side in "
+            f"one process, interleaved rounds; the CPU runs {cpu_isa_text()}. Times are medians of "
+            f"{args.rounds} rounds; \"of the wall\": the layer's bytes read at the bandwidth measured in the "
+            f"same run.\n\n{body}\n{provenance(command)}\n")
+    print(text)
+    if args.write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
