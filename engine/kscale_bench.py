@@ -6,7 +6,8 @@ out to fp32 per 16 or 32 k, side by side.
 
 A decode step's matmuls for one layer of a Llama-3-8B-shaped model (q|k|v 6144 x 4096, o 4096 x
 4096, gate|up 28672 x 4096, down 4096 x 14336: 218M weights, far past any cache), all in one GGUF
-type, run back to back for 1 and for 8 token rows. Both forms of the same weights are packed in
+type, or (Q4_K_M) as llama.cpp's Q4_K_M lays out a layer whose v and down projections take
+Q6_K (q|k|v then fuses Q4_K q and k with a Q6_K v), run back to back for 1 and for 8 token rows. Both forms of the same weights are packed in
 one process and timed in interleaved rounds, each round's ratio taken within the round (these
 machines are shared and noisy). The codes are random bytes with finite super-block factors, so
 every bit of the packed scales is in play; the two forms give the same bits, checked each run.
@@ -21,7 +22,7 @@ import sys
 import time
 
 SECTION = "## k-quant scales: held as stored or multiplied out"
-TYPES = ("Q4_K", "Q6_K")
+TYPES = ("Q4_K", "Q6_K", "Q4_K_M")
 SHAPES = (("q|k|v", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
 
 
@@ -37,6 +38,19 @@ def random_rows(type_name: str, n: int, k: int, seed: int):
     for i, v in zip([size - 2] if type_name == "Q6_K" else [0, 2], (0.004, 0.002)):  # fp16 d (and dmin): finite
         raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
     return gguf_rows(raw.reshape(n, -1), type_name, (n, k), f"random {type_name}")
+
+
+def layer_rows(type_name: str, shapes) -> list:
+    """The layer's four matrices (QuantRows, coded scales) in `type_name`, or Q4_K_M's mix."""
+    from engine.quant import QuantRows
+
+    if type_name != "Q4_K_M":
+        return [random_rows(type_name, n, k, i) for i, (_, n, k) in enumerate(shapes)]
+    (_, nqkv, k), *rest = shapes
+    nv = nqkv // 6  # Llama-3-8B: q 4096, k and v 1024 each
+    qkv = QuantRows.cat([random_rows("Q4_K", nqkv - nv, k, 0), random_rows("Q6_K", nv, k, 1)], "q|k|v")
+    return [qkv] + [random_rows("Q6_K" if name == "down" else "Q4_K", n, k, 2 + i)
+                    for i, (name, n, k) in enumerate(rest)]
 
 
 def read_gb_s() -> float:
@@ -67,7 +81,7 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
         raise SystemExit(f"--shrink {shrink}: rows of {[k for _, _, k in shapes]} are not whole super-blocks of 256")
     lines = []
     for type_name in types:
-        coded = [random_rows(type_name, n, k, i) for i, (_, n, k) in enumerate(shapes)]
+        coded = layer_rows(type_name, shapes)
         forms = {"stored": [QuantWeight.pack(r) for r in coded],
                  "fp32": [QuantWeight.pack(r.decoded()) for r in coded]}
         del coded

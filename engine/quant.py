@@ -131,9 +131,12 @@ class QuantRows:
         `form`: Q5_0 beside Q8_0, say) are joined as they are. Parts it does not (llama.cpp's Q4_K_M
         puts a Q6_K v beside Q4_K q and k) are first brought to one form that holds every part's
         values exactly: 4-bit codes if all are, else 8-bit (unsigned with minimums, unless all are
-        signed); fp16 scales if all are, else fp32; the block of k their blocks share (16 or 32)."""
+        signed); fp16 scales if all are, else fp32; the block of k their blocks share (16 or 32).
+        k-quant parts only (coded scales with one block of k per factor) keep their scale codes
+        (`_common_coded_form`)."""
         if len({p.form for p in parts}) > 1:
-            parts = _common_form(parts, what)
+            coded = all(p.coded for p in parts) and len({p.sup for p in parts}) == 1
+            parts = _common_coded_form(parts, what) if coded else _common_form(parts, what)
         first = parts[0]
 
         def cat(name):
@@ -154,6 +157,41 @@ def _as_signed(p: QuantRows) -> QuantRows | None:
     return None
 
 
+def _shared_block(parts: list[QuantRows], what: str) -> tuple[int, int]:
+    """The block of k `parts` share (the gcd of theirs) and the code bits that hold every part's
+    codes there (8 for blocks of 16), or a QuantError where the kernel reads no such block."""
+    group = math.gcd(*(p.group for p in parts))
+    bits = max(p.bits for p in parts)
+    bits = 8 if bits == 8 or group % 32 else bits
+    if group % 32 and not (group == 16 and bits == 8):
+        raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k share no block of "
+                         "16 (8-bit codes) or 32 k that the kernel reads")
+    return group, bits
+
+
+def _common_coded_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
+    """k-quant `parts` (coded scales, one block of k per factor) in one coded form, the values
+    unchanged: unsigned codes with minimums (5-bit if every part's fit, else bytes) and a scale and
+    minimum code per the block of k they share (llama.cpp's Q4_K_M q and k beside a Q6_K v: bytes
+    per 16 k, 9.25 bits a weight where multiplied-out scales read 12). A part without minimums
+    (Q6_K, codes -32..31) moves its codes up by 32 and takes its scale codes as minimum codes under
+    -32 x its scale factor: the minimum is then -32 x its scale, exactly."""
+    group, bits = _shared_block(parts, what)
+    log.info("%s: parts stored as %s, read as %d-bit codes with coded scales per %d k to be fused", what,
+             "/".join(p.fmt for p in parts), bits, group)
+    out = []
+    for p in parts:
+        codes, mins, min_d = p.codes, p.mins, p.min_d
+        if mins is None:
+            low = int(codes.min()) if codes.numel() else 0
+            off = next(o for o in (32, 64, 128) if low >= -o)
+            codes, mins, min_d = codes.to(torch.int16) + off, p.scales, p.scale_d * -off
+        r = p.group // group
+        out.append(QuantRows(p.fmt, bits, codes.to(torch.uint8), p.scales.repeat_interleave(r, dim=1).contiguous(),
+                             mins.repeat_interleave(r, dim=1).contiguous(), p.scale_d, min_d))
+    return out
+
+
 def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     """`parts` in one form (QuantRows.cat), the values unchanged: 4- and 5-bit codes are 5- and 8-bit
     codes as they are, fp16 widens to fp32 exactly, and signed bytes become unsigned by adding the
@@ -161,15 +199,10 @@ def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     unsigned codes whose minimum is -2^i x scale become signed bytes (`_as_signed`); coded scales
     are multiplied out (`QuantRows.decoded`)."""
     parts = [p.decoded() for p in parts]
-    group = math.gcd(*(p.group for p in parts))
-    bits = max(p.bits for p in parts)
-    bits = 8 if bits == 8 or group % 32 else bits
+    group, bits = _shared_block(parts, what)
     signed = bits == 8 and all(_as_signed(p) is not None for p in parts)
     if signed:
         parts = [_as_signed(p) for p in parts]
-    if group % 32 and not (group == 16 and bits == 8):
-        raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k share no block of "
-                         "16 (8-bit codes) or 32 k that the kernel reads")
     f16 = group % 32 == 0 and all(p.scales.dtype == torch.float16 and (signed or p.mins is not None) for p in parts)
     dtype = torch.float16 if f16 else torch.float32
     log.info("%s: parts stored as %s, read as %d-bit codes with %s scales per %d k to be fused", what,

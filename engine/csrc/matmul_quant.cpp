@@ -339,6 +339,8 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
       matmul_fmt<4, CODED>(x, w, y, M, threads);  // Q4_K
     else if (w.bits == 5)
       matmul_fmt<5, CODED>(x, w, y, M, threads);  // Q5_K
+    else if (w.mins && g16)
+      matmul_fmt<8, CODED, 2, true>(x, w, y, M, threads);  // Q4_K beside Q6_K, fused: bytes per 16 k
     else if (w.mins)
       matmul_fmt<8, CODED, 1, true>(x, w, y, M, threads);  // Q5_K held as bytes
     else if (g16)

@@ -20,8 +20,10 @@ from tests.conftest import require_isa
 # minimums per 16 k; mixed4: nibbles; mixed5: 5-bit codes; mixed6: signed bytes per 16 k); q6_k,
 # mixed and mixed6 scaled per 16 k
 FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q5_k_bytes", "q6_k", "mixed",
-           "mixed4", "mixed5", "mixed6")
-MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),  # q|k|v of a llama.cpp Q4_K_M layer
+           "mixed4", "mixed5", "mixed6", "mixedk", "mixedk5")
+MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),
+         "mixedk": ("q4_k", "q4_k", "q6_k"),  # q|k|v of a llama.cpp Q4_K_M layer: coded, bytes per 16 k
+         "mixedk5": ("q4_k", "q5_k", "q4_k"),  # coded, 5-bit codes
          "mixed4": ("q4_k", "q4_1", "q4_0"), "mixed5": ("q5_k", "q5_1", "q5_0"), "mixed6": ("q6_k", "q8_0", "q6_k")}
 
 
@@ -143,6 +145,8 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q5_0", "q5_1"), (5, 32, torch.float16, False)),  # 5-bit codes with minimums both: joined as they are
     (("q4_1", "q5_k"), (5, 32, torch.float32, False)),  # 4-bit codes are 5-bit codes
     (("q4_k", "q4_k"), (4, 32, torch.int8, False, 64)),  # one coded form: joined with their codes as stored
+    (("q4_k", "q6_k"), (8, 16, torch.int8, False, 64)),  # k-quants only: their scale codes kept
+    (("q5_k", "q4_k"), (5, 32, torch.int8, False, 64)),
     (("q6_k", "q6_k"), (8, 16, torch.int8, True, 64)),
 ])
 def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):

@@ -199,8 +199,8 @@ def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conve
     assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt, m.lm_head.fmt] == \
         ["q4_k+q6_k", "q5_k", "q5_1+q5_0", "q6_k", "q6_k"]
     assert [L.o_w.bits, L.gate_up_w.bits] == ([8, 8] if five_bit == "widen" else [5, 5])
-    # the k-quants' scale codes kept as stored, unless fused with a part of another type
-    assert [w.scales.dtype for w in (L.qkv_w, L.o_w, L.down_w, m.lm_head)] == [torch.float32] + [torch.int8] * 3
+    # the k-quants' scale codes kept as stored, fused q|k|v (Q4_K beside Q6_K) included
+    assert [w.scales.dtype for w in (L.qkv_w, L.o_w, L.down_w, m.lm_head)] == [torch.int8] * 4
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -302,7 +302,7 @@ def test_five_bit_bench_compares_both_forms_of_one_file(tmp_path, quant_isa, mon
 def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, monkeypatch):
     """python -m engine.kscale_bench (shrunk): k-quant scales as stored and multiplied out give the
     same bits, and the stored form reads what its layout says: Q4_K 4.75 bits a weight against 6,
-    Q6_K 8.62 against 10."""
+    Q6_K 8.62 against 10, a Q4_K_M layer (q|k|v fusing Q4_K with Q6_K) 6.31 against 7.77."""
     import re
 
     from engine import benchmarks_md, kscale_bench
@@ -314,8 +314,10 @@ def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, 
                               "--reps", "1", "--write"]) == 0
     text = md.read_text()
     assert text.count(kscale_bench.SECTION) == 1
-    rows = re.findall(rf"^\| (Q4_K|Q6_K) \| {quant_isa} \| 1 \| [13] \| [\d.]+ \(\d+%\) \| [\d.]+ \(\d+%\) "
+    rows = re.findall(rf"^\| (Q4_K|Q6_K|Q4_K_M) \| {quant_isa} \| 1 \| [13] \| [\d.]+ \(\d+%\) \| [\d.]+ \(\d+%\) "
                       rf"\| [\d.]+ \| [\d., ]+ \| \*\*[\d.]+x\*\* \| yes \|$", text, re.M)
-    assert rows == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"], text
+    assert rows == ["Q4_K", "Q4_K", "Q6_K", "Q6_K", "Q4_K_M", "Q4_K_M"], text
     assert "| Q4_K: MB a layer | | | | 2.6 (6 bits a weight) | 2.0 (4.75 bits) |" in text
     assert re.search(r"\| Q6_K: MB a layer \| \| \| \| [\d.]+ \(10 bits a weight\) \| [\d.]+ \(8.62 bits\) \|", text)
+    assert re.search(r"\| Q4_K_M: MB a layer \| \| \| \| [\d.]+ \(7.77 bits a weight\) \| [\d.]+ \(6.31 bits\) \|",
+                     text)
