@@ -11,6 +11,7 @@ Q6_K (q|k|v then fuses Q4_K q and k with a Q6_K v), run back to back for 1 and f
 one process and timed in interleaved rounds, each round's ratio taken within the round (these
 machines are shared and noisy). The codes are random bytes with finite super-block factors, so
 every bit of the packed scales is in play; the two forms give the same bits, checked each run.
+The weights are held in transparent huge pages, as a model's are (engine/hugepages.py).
 The memory wall is the layer's bytes over the read bandwidth measured in the same run.
 """
 from __future__ import annotations
@@ -53,6 +54,13 @@ def layer_rows(type_name: str, shapes) -> list:
                     for i, (name, n, k) in enumerate(rest)]
 
 
+def in_huge_pages(w):
+    """`w` with its tensors in transparent huge pages where the kernel allows, as a model holds them."""
+    from engine.hugepages import pack
+
+    return w.with_tensors(*pack(w.tensors()))
+
+
 def read_gb_s() -> float:
     """The read bandwidth of this process's threads: the fastest of 3 fp32 sums of 512 MB (as engine.bench)."""
     import torch
@@ -82,8 +90,8 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
     lines = []
     for type_name in types:
         coded = layer_rows(type_name, shapes)
-        forms = {"stored": [QuantWeight.pack(r) for r in coded],
-                 "fp32": [QuantWeight.pack(r.decoded()) for r in coded]}
+        forms = {"stored": [in_huge_pages(QuantWeight.pack(r)) for r in coded],
+                 "fp32": [in_huge_pages(QuantWeight.pack(r.decoded())) for r in coded]}
         del coded
         mb = {f: sum(w.nbytes for w in ws) / 1e6 for f, ws in forms.items()}
         weights = sum(n * k for _, n, k in shapes)
