@@ -1,4 +1,4 @@
-"""Writes GGUF k-quant blocks (Q4_K, Q5_K, Q6_K) from fp32 weights, for test and
+"""Writes GGUF k-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) from fp32 weights, for test and
 benchmark checkpoints: gguf's Python package reads these formats but does not
 write them. Round to nearest with each sub-block's range for its scale, not
 llama.cpp's searched scales (or an importance matrix): the values are what a
@@ -33,14 +33,15 @@ def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:  # 6-bit [...,
                           axis=-1).astype(np.uint8)
 
 
-def _affine(x: np.ndarray, levels: int):
-    """x [..., 8, 32] -> fp16 d, dmin [...], 6-bit sc, m [..., 8], codes [..., 8, 32] in 0..levels."""
+def _affine(x: np.ndarray, levels: int, scale_max: int = 63):
+    """x [..., G, S] (G sub-blocks of S) -> fp16 d, dmin [...], sc, m [..., G] in 0..scale_max,
+    codes [..., G, S] in 0..levels."""
     lo = np.minimum(x.min(-1), 0)
     step = (x.max(-1) - lo) / levels
-    d = (step.max(-1) / 63).astype(np.float16).astype(np.float32)
-    dmin = (-lo.min(-1) / 63).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    d = (step.max(-1) / scale_max).astype(np.float16).astype(np.float32)
+    dmin = (-lo.min(-1) / scale_max).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), 0, scale_max).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]), 0, scale_max).astype(np.uint8)
     scale, mins = d[..., None] * sc, dmin[..., None] * m
     q = np.round((x + mins[..., None]) / np.where(scale > 0, scale, 1)[..., None])
     return d, dmin, sc, m, np.clip(q, 0, levels).astype(np.uint8)
@@ -49,6 +50,23 @@ def _affine(x: np.ndarray, levels: int):
 def _nibble_runs(q: np.ndarray) -> np.ndarray:  # codes [..., 8, 32] -> [..., 128]: run r holds 64 r + j | 64 r + 32 + j
     q = q.reshape(*q.shape[:-2], 4, 2, 32) & 15
     return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:-3], 128)
+
+
+def _two_bit_runs(q: np.ndarray) -> np.ndarray:  # codes 0..3 [..., 256] -> [..., 64]: k 128 i + 32 s + j at bit 2 s of byte 32 i + j
+    q = q.reshape(*q.shape[:-1], 2, 4, 32).astype(np.uint8)
+    return (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2).astype(np.uint8).reshape(*q.shape[:-3], 64)
+
+
+def _signed_scales(g: np.ndarray, low: int, scale_max: int):
+    """g [..., 16, 16] -> fp16 d [...], signed scale codes [..., 16] in -scale_max-1..scale_max, and
+    codes [..., 16, 16] in low..-low-1: each 16's signed largest lands on `low`."""
+    peak = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+    step = peak / low
+    d = (np.abs(step).max(-1) / scale_max).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), -scale_max - 1, scale_max).astype(np.int8)
+    scale = d[..., None] * sc
+    q = np.clip(np.round(g / np.where(scale != 0, scale, 1)[..., None]), low, -low - 1)
+    return d, sc, q.astype(np.int8)
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
@@ -63,16 +81,23 @@ def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
             bits = (q >> 4) & 1  # [.., 8, 32]: bit i of byte j is k 32 i + j
             parts.append((bits << np.arange(8, dtype=np.uint8)[:, None]).sum(-2).astype(np.uint8))
         parts.append(_nibble_runs(q))
+    elif type_name == "Q2_K":  # 4-bit scale and minimum codes per 16 (low, high nibble), codes, d, dmin
+        d, dmin, sc, m, q = _affine(x.reshape(n, k // QK, 16, 16), 3, 15)
+        parts = [sc | (m << 4), _two_bit_runs(q.reshape(n, k // QK, 256)), _f16_bytes(d), _f16_bytes(dmin)]
+    elif type_name == "Q3_K":  # high bits (set where code >= 0), low 2 bits, 6-bit scales + 32, d
+        d, sc, q = _signed_scales(x.reshape(n, k // QK, 16, 16), -4, 31)
+        q = q.reshape(n, k // QK, 256)
+        high = (q >= 0).astype(np.uint8).reshape(n, k // QK, 8, 32)  # k 32 b + j: bit b of byte j
+        s6 = (sc.astype(np.int16) + 32).astype(np.uint8)  # 0..63
+        lo4, hi2 = s6 & 15, (s6 >> 4).reshape(n, k // QK, 4, 4)  # top 2 bits of scale 4 s + i: bit 2 s of byte 8 + i
+        parts = [(high << np.arange(8, dtype=np.uint8)[:, None]).sum(-2).astype(np.uint8),
+                 _two_bit_runs((q + 4 * (q < 0)).astype(np.uint8)),
+                 lo4[..., :8] | (lo4[..., 8:] << 4),
+                 (hi2 << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2).astype(np.uint8),
+                 _f16_bytes(d)]
     elif type_name == "Q6_K":
-        g = x.reshape(n, k // QK, 16, 16)
-        amax_i = np.abs(g).argmax(-1)
-        peak = np.take_along_axis(g, amax_i[..., None], -1)[..., 0]  # the signed largest of each 16
-        step = -peak / 32
-        d = (np.abs(step).max(-1) / 127).astype(np.float16).astype(np.float32)
-        sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), -128, 127).astype(np.int8)
-        scale = d[..., None] * sc
-        q = np.clip(np.round(g / np.where(scale != 0, scale, 1)[..., None]) + 32, 0, 63).astype(np.uint8)
-        q = q.reshape(n, k // QK, 2, 128)  # halves of 128
+        d, sc, q = _signed_scales(x.reshape(n, k // QK, 16, 16), -32, 127)
+        q = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, k // QK, 2, 128)  # halves of 128
         lo = q[..., :64] & 15 | ((q[..., 64:] & 15) << 4)  # [.., 2, 64]
         hi = ((q.reshape(n, k // QK, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2)
         parts = [lo.reshape(n, k // QK, 128), hi.astype(np.uint8).reshape(n, k // QK, 64), sc.view(np.uint8),

@@ -9,8 +9,10 @@
   held as bytes unless KVRELAY_GGUF_FIVE_BIT=keep, see `FIVE_BIT_ENV`); and the k-quants' super-blocks of 256,
   whose sub-block scales stay 6- or 8-bit codes beside the super-block's fp32 factors,
   multiplied in the kernel as gguf dequantizes them (`QuantRows.scale_d`): Q4_K (nibbles,
-  a scale and minimum code per 32: 4.75 bits a weight read) and Q6_K (6-bit codes - 32 held
-  as signed bytes, a scale code per 16: 8.6 bits).
+  a scale and minimum code per 32: 4.75 bits a weight read), Q6_K (6-bit codes - 32 held
+  as signed bytes, a scale code per 16: 8.6 bits), Q3_K (3-bit codes - 4 as signed bytes, a
+  6-bit scale code per 16: 8.6 bits, against 3.4 stored) and Q2_K (2-bit codes as nibbles, a
+  4-bit scale and minimum code per 16: 5.25 bits, against 2.6 stored).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
 concatenated, permuted and checked like a tensor), then packed once into the
@@ -48,7 +50,8 @@ QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
 # GGUF block type -> (weights per block, bytes per block, code bits as held)
 GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5),
-                "Q5_1": (32, 24, 5), "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8)}
+                "Q5_1": (32, 24, 5), "Q2_K": (256, 84, 4), "Q3_K": (256, 110, 8), "Q4_K": (256, 144, 4),
+                "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8)}
 
 
 class QuantError(ValueError):
@@ -162,10 +165,10 @@ def _shared_block(parts: list[QuantRows], what: str) -> tuple[int, int]:
     codes there (8 for blocks of 16), or a QuantError where the kernel reads no such block."""
     group = math.gcd(*(p.group for p in parts))
     bits = max(p.bits for p in parts)
-    bits = 8 if bits == 8 or group % 32 else bits
-    if group % 32 and not (group == 16 and bits == 8):
+    bits = 8 if bits == 8 or (group % 32 and bits == 5) else bits  # (5-bit codes are read per 32 k)
+    if group % 32 and group != 16:
         raise QuantError(f"{what}: its parts' blocks of {sorted({p.group for p in parts})} k share no block of "
-                         "16 (8-bit codes) or 32 k that the kernel reads")
+                         "16 or 32 k that the kernel reads")
     return group, bits
 
 
@@ -366,7 +369,8 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: str) -> QuantRows:
     """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as QuantRows, the values
-    unchanged: Q8_0, Q5_0, Q4_0 (as Q4_1 with minimum -8 x scale), Q4_1, Q5_1, Q4_K, Q5_K or Q6_K."""
+    unchanged: Q8_0, Q5_0, Q4_0 (as Q4_1 with minimum -8 x scale), Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K
+    or Q6_K."""
     if type_name not in GGUF_FORMATS:
         raise QuantError(f"{what}: stored as {type_name}, which quantization 'gguf' does not keep "
                          f"(it keeps {', '.join(GGUF_FORMATS)}); use quantization 'int8' or 'none'")
@@ -395,6 +399,24 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         d = t(_f16(raw[..., :2]))
         codes = t(_nibbles(raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]), np.int8)
         return QuantRows("q4_1", 4, codes, d, t(_f16(raw[..., 2:4])) if type_name == "Q4_1" else -8 * d)
+    if type_name in ("Q2_K", "Q3_K"):  # 2-bit codes in 64 bytes: k 128 i + 32 s + j in bits 2s, 2s + 1 of byte 32 i + j
+        lo_at = 16 if type_name == "Q2_K" else 32
+        low = (raw[..., lo_at:lo_at + 64].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        low = low.reshape(n, k // per, 256)
+        if type_name == "Q2_K":  # 16 bytes of 4-bit scale (low) and minimum (high) codes per 16 k, codes, d, dmin
+            d, dmin = _f16(raw[..., 80:82]).astype(np.float32), _f16(raw[..., 82:84]).astype(np.float32)
+            sm = raw[..., :16]
+            return QuantRows("q2_k", 4, t(low, np.int8), t(sm & 15, np.int8), t(sm >> 4, np.int8), t(d), t(-dmin))
+        # Q3_K: 32 bytes of high bits (k 32 b + j: bit b of byte j; code - 4 where it is 0), the low bits,
+        # 12 bytes of 6-bit scales - 32 (low nibbles in bytes 0-7: scale i, high nibble i + 8; top 2 bits
+        # of scale 4 s + i at bit 2 s of byte 8 + i), d
+        high = (raw[..., :32].reshape(n, k // per, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        codes = low.astype(np.int8) - 4 * (1 - high.reshape(n, k // per, 256)).astype(np.int8)
+        sb = raw[..., 96:108]
+        lo4 = np.concatenate([sb[..., :8] & 15, sb[..., :8] >> 4], axis=-1)
+        hi2 = (sb[..., 8:12].reshape(n, k // per, 1, 4) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        sc = (lo4 | (hi2.reshape(n, k // per, 16) << 4)).astype(np.int8) - 32
+        return QuantRows("q3_k", 8, t(codes), t(sc), None, t(_f16(raw[..., 108:110]).astype(np.float32)))
     if type_name == "Q4_K":  # d, dmin, 12 bytes of scales, then 4 runs of 32 bytes: k 64 r + j low, + 32 + j high
         d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
         sc, mn = _k_scales(raw[..., 4:16])

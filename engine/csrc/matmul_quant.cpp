@@ -81,7 +81,7 @@ constexpr int kRows = BITS == 8 ? 1 : 2;  // of 16 ymm: 12 sums (8-bit codes: 6,
 #endif
 
 // A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum over
-// either half of the block's k (8-bit codes scaled per 16 k, Q6_K, take the halves apart).
+// either half of the block's k (codes scaled per 16 k, Q6_K, Q3_K and Q2_K, take the halves apart).
 struct XBlock {
   float p, sxp, sxph[2];  // sxph: the sum of X * 2^-E over each half
   int32_t dsum[2][kDigits];
@@ -185,8 +185,8 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 
 // Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
 // columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
-// H: groups of scales per block of k, 1 (groups of 32 k or more) or 2 (8-bit codes scaled per
-// 16 k: each half of a block is summed and scaled on its own). MINS: 8-bit codes are unsigned
+// H: groups of scales per block of k, 1 (groups of 32 k or more) or 2 (8- or 4-bit codes scaled
+// per 16 k: each half of a block is summed and scaled on its own). MINS: 8-bit codes are unsigned
 // with minimums of their own (else signed, held + 128, the minimum -128 scale implied); 4-bit
 // codes always have minimums. BITS 5: 4-bit words of the low bits, and after a block-row's words
 // one word per 32 k of its fifth bits (quant.h), spread into bit 4 of each code's byte in registers.
@@ -198,7 +198,7 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   constexpr int kWords = kBlockK / P;                        // words of a column per block of k
   constexpr int DB = kDigitBits<BITS>;
   const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
-  static_assert(H == 1 || (H == 2 && BITS == 8), "groups of 16 k are for 8-bit codes");
+  static_assert(H == 1 || (H == 2 && BITS != 5), "groups of 16 k are for 8- and 4-bit codes");
   constexpr bool kOffset = BITS == 8 && !MINS;  // signed codes held + 128
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
@@ -335,7 +335,9 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
   const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
   constexpr int F32 = kScaleF32, F16 = kScaleF16, CODED = kScaleCoded;
   if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
-    if (w.bits == 4)
+    if (w.bits == 4 && g16)
+      matmul_fmt<4, CODED, 2>(x, w, y, M, threads);  // Q2_K: 2-bit codes as nibbles, codes per 16 k
+    else if (w.bits == 4)
       matmul_fmt<4, CODED>(x, w, y, M, threads);  // Q4_K
     else if (w.bits == 5)
       matmul_fmt<5, CODED>(x, w, y, M, threads);  // Q5_K
@@ -349,6 +351,8 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
       matmul_fmt<8, CODED>(x, w, y, M, threads);
   } else if (w.bits == 4 && w.form == F16) {
     matmul_fmt<4, F16>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
+  } else if (w.bits == 4 && g16) {
+    matmul_fmt<4, F32, 2>(x, w, y, M, threads);  // Q2_K fused with Q4_0 or Q4_1: fp32, per 16 k
   } else if (w.bits == 4) {
     matmul_fmt<4, F32>(x, w, y, M, threads);  // fp32 scales and minimums per 32 k (4-bit parts fused)
   } else if (w.bits == 5 && w.form == F16) {
@@ -389,9 +393,9 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
                   (k / scales.size(1)) % per == 0 && scales.size(2) == kPackedCols,
               what, ": scales of shape ", scales.sizes(), " do not fit codes of shape ", q.sizes());
   const int64_t group = k / scales.size(1);
-  TORCH_CHECK(group % 32 == 0 || scales.size(1) == 1 || (group == 16 && bits == 8 && !f16 && k % 32 == 0), what,
-              ": a group of ", group, " k is neither a multiple of 32 nor the whole row (nor 16, for 8-bit codes "
-              "with fp32 or coded scales and k a multiple of 32)");
+  TORCH_CHECK(group % 32 == 0 || scales.size(1) == 1 || (group == 16 && bits != 5 && !f16 && k % 32 == 0), what,
+              ": a group of ", group, " k is neither a multiple of 32 nor the whole row (nor 16, for 8- or 4-bit "
+              "codes with fp32 or coded scales and k a multiple of 32)");
   // 8-bit codes without minimums (an empty tensor): signed, held + 128, the minimum -128 scale
   const bool no_mins = bits == 8 && mins.defined() && mins.numel() == 0;
   TORCH_CHECK(no_mins || (mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&

@@ -23,7 +23,7 @@
 //
 // so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits), and
 // without minimums min = -128 scale, exact. group: 32 or more (or the whole
-// row), or 16 for 8-bit codes with fp32 or coded scales (Q6_K). Coded scales
+// row), or 16 for 8- or 4-bit codes with fp32 or coded scales (Q6_K, Q3_K; Q2_K). Coded scales
 // read 3 bytes per 32 k of a column where fp32 ones read 8: Q4_K 4.75 bits a
 // weight instead of 6.0, Q6_K as bytes 8.6 instead of 10.
 // A k-word of a block is 32 words = 128 bytes, read as vector-sized runs of

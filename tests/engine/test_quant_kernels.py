@@ -19,10 +19,13 @@ from tests.conftest import require_isa
 # stores them; mixed*: parts in several formats read as one, with fp32 scales (mixed: bytes with
 # minimums per 16 k; mixed4: nibbles; mixed5: 5-bit codes; mixed6: signed bytes per 16 k); q6_k,
 # mixed and mixed6 scaled per 16 k
-FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q4_k", "q5_0", "q5_1", "q5_k", "q5_k_bytes", "q6_k", "mixed",
-           "mixed4", "mixed5", "mixed6", "mixedk", "mixedk5")
+FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q2_k", "q3_k", "q4_k", "q5_0", "q5_1", "q5_k", "q5_k_bytes", "q6_k",
+           "mixed", "mixed2", "mixed4", "mixed5", "mixed6", "mixedk", "mixedk2", "mixedk4", "mixedk5")
 MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),
+         "mixed2": ("q2_k", "q4_1", "q4_0"),  # nibbles with fp32 scales per 16 k
          "mixedk": ("q4_k", "q4_k", "q6_k"),  # q|k|v of a llama.cpp Q4_K_M layer: coded, bytes per 16 k
+         "mixedk2": ("q2_k", "q2_k", "q3_k"),  # q|k|v of a llama.cpp Q2_K layer: coded, bytes per 16 k
+         "mixedk4": ("q2_k", "q4_k", "q2_k"),  # coded nibbles per 16 k
          "mixedk5": ("q4_k", "q5_k", "q4_k"),  # coded, 5-bit codes
          "mixed4": ("q4_k", "q4_1", "q4_0"), "mixed5": ("q5_k", "q5_1", "q5_0"), "mixed6": ("q6_k", "q8_0", "q6_k")}
 
@@ -47,18 +50,19 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
         return QuantRows.cat([p for p in parts if p.shape[0]], "t")
     if fmt == "q5_k_bytes":
         return held_five_bit(_rows("q5_k", n, k, seed))
-    group = 16 if fmt == "q6_k" else 32
-    if fmt.endswith("_k"):  # coded: 6-bit scale (and minimum) codes, an fp16 factor per super-block
+    group = 16 if fmt in ("q2_k", "q3_k", "q6_k") else 32
+    if fmt.endswith("_k"):  # coded: 4-, 6- or 8-bit scale (and minimum) codes, an fp16 factor per super-block
         sup = next(s for s in (256, 128, 64, 32) if k % s == 0)  # (a GGUF's is 256)
         d = (torch.rand(n, k // sup, generator=g) * 0.002 + 1e-4).half().float()
         dmin = (torch.rand(n, k // sup, generator=g) * 0.002).half().float()
-        sc = (torch.randint(-128, 128, (n, k // group), generator=g) if fmt == "q6_k"
-              else torch.randint(0, 64, (n, k // group), generator=g)).to(torch.int8)
-        mn = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.int8)
-        if fmt == "q6_k":
-            return QuantRows(fmt, 8, torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8), sc, None, d)
-        bits = 4 if fmt == "q4_k" else 5
-        codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int8)
+        lo, hi = {"q6_k": (-128, 128), "q3_k": (-32, 32), "q2_k": (0, 16)}.get(fmt, (0, 64))
+        sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8)
+        mn = torch.randint(0, hi, (n, k // group), generator=g, dtype=torch.int8)
+        if fmt in ("q3_k", "q6_k"):  # signed codes
+            c = 4 if fmt == "q3_k" else 32
+            return QuantRows(fmt, 8, torch.randint(-c, c, (n, k), generator=g, dtype=torch.int8), sc, None, d)
+        bits = 5 if fmt == "q5_k" else 4
+        codes = torch.randint(0, 4 if fmt == "q2_k" else 2 ** bits, (n, k), generator=g, dtype=torch.int8)
         return QuantRows(fmt, bits, codes, sc, mn, d, -dmin)
     d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
     m = torch.randn(n, k // 32, generator=g) * 0.1
@@ -105,7 +109,7 @@ def _gguf_dequantized(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     """The row form of a GGUF tensor's raw blocks holds exactly the values gguf's own dequantize
     gives: blocks quantized from weights (the k-quants by engine/kquants.py), and for the
@@ -118,7 +122,8 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     if qtype.name.endswith("_K"):
         size = gguf.GGML_QUANT_SIZES[qtype][1]
         raw = np.random.default_rng(1).integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-        at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}[qtype.name]  # the fp16 d (and dmin): finite
+        at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2], "Q4_K": [0, 2],
+              "Q5_K": [0, 2]}[qtype.name]  # the fp16 d (and dmin): finite
         for i, v in zip(at, (0.004, 0.002)):
             raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
         raws.append(raw.reshape(n, -1))
@@ -127,12 +132,14 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
         assert torch.equal(QuantWeight.pack(rows).dequantize(), _gguf_dequantized(raw, qtype, n, k))
     assert rows.coded == qtype.name.endswith("_K")  # the k-quants' scales kept as stored
-    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q4_K") else 5 if qtype.name.startswith("Q5") else 8)
+    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q4_K") else 5 if qtype.name.startswith("Q5")
+                         else 8)
 
 
 def test_an_unsupported_gguf_block_type_is_named():
-    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*Q3_K.*keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
-        gguf_rows(np.zeros((4, 110), np.uint8), "Q3_K", (4, 256), "tensor 'blk.0.ffn_up.weight'")
+    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*IQ4_XS.*keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                                         r"Q4_K, Q5_K, Q6_K"):
+        gguf_rows(np.zeros((4, 136), np.uint8), "IQ4_XS", (4, 256), "tensor 'blk.0.ffn_up.weight'")
     with pytest.raises(QuantError, match=r"Q4_K rows of 96 weights are not whole blocks of 256"):
         gguf_rows(np.zeros((4, 54), np.uint8), "Q4_K", (4, 96), "t")
 
@@ -147,6 +154,9 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q4_k", "q4_k"), (4, 32, torch.int8, False, 64)),  # one coded form: joined with their codes as stored
     (("q4_k", "q6_k"), (8, 16, torch.int8, False, 64)),  # k-quants only: their scale codes kept
     (("q5_k", "q4_k"), (5, 32, torch.int8, False, 64)),
+    (("q2_k", "q4_k"), (4, 16, torch.int8, False, 64)),  # nibbles per 16 k
+    (("q2_k", "q3_k"), (8, 16, torch.int8, False, 64)),
+    (("q2_k", "q4_1"), (4, 16, torch.float32, False)),
     (("q6_k", "q6_k"), (8, 16, torch.int8, True, 64)),
 ])
 def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):
@@ -164,8 +174,9 @@ def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form)
 
 # bits a weight each coded form reads (codes, scale and minimum codes, fp32 factors per 256 k)
 CODED_BITS = {"q4_k": 4 + 16 / 32 + 64 / 256, "q5_k": 5 + 16 / 32 + 64 / 256, "q5_k_bytes": 8 + 16 / 32 + 64 / 256,
-              "q6_k": 8 + 8 / 16 + 32 / 256}
-PLAIN_BITS = {"q4_k": 4 + 64 / 32, "q5_k": 5 + 64 / 32, "q5_k_bytes": 8 + 64 / 32, "q6_k": 8 + 32 / 16}  # fp32
+              "q6_k": 8 + 8 / 16 + 32 / 256, "q3_k": 8 + 8 / 16 + 32 / 256, "q2_k": 4 + 16 / 16 + 64 / 256}
+PLAIN_BITS = {"q4_k": 4 + 64 / 32, "q5_k": 5 + 64 / 32, "q5_k_bytes": 8 + 64 / 32, "q6_k": 8 + 32 / 16,  # fp32
+              "q3_k": 8 + 32 / 16, "q2_k": 4 + 64 / 16}
 
 
 @pytest.mark.parametrize("fmt", CODED_BITS)
@@ -173,7 +184,8 @@ def test_coded_scales_compute_what_their_products_do(quant_ops, fmt):
     """A k-quant's scale codes and factors, multiplied in the kernel, give the same bits as the
     same weight with its scales multiplied out to fp32 beforehand (what was held before), for
     decode rows, a prefill and the embedding lookup; and they read fewer bytes: Q4_K 4.75 bits a
-    weight where fp32 scales and minimums read 6, Q6_K 8.625 where they read 10."""
+    weight where fp32 scales and minimums read 6, Q6_K 8.625 where they read 10, Q2_K 5.25 where
+    they read 8."""
     coded = _rows(fmt, 100, 512, seed=12)
     assert coded.coded and coded.sup == 256 and not coded.decoded().coded
     pc, pf = QuantWeight.pack(coded), QuantWeight.pack(coded.decoded())
