@@ -4,14 +4,14 @@
   (`quantize_int8`): code = round(w / s), s = max |w[row]| / 127, fp32 scales.
 - ``gguf``: a GGUF file's own block formats, read as stored (`read_gguf_rows`):
   Q8_0 (32 signed bytes and an fp16 scale per block of 32), Q4_1 (32 nibbles,
-  an fp16 scale and minimum) and Q4_0 (nibbles - 8, held as Q4_1 with the
-  minimum -8 x scale, which fp16 holds exactly); Q5_0, Q5_1 and Q5_K (5-bit codes,
+  an fp16 scale and minimum: 5 bits a weight read) and Q4_0 (nibbles - 8, held as signed
+  nibbles, the minimum -8 x scale implied: 4.5 bits); Q5_0, Q5_1 and Q5_K (5-bit codes,
   held as bytes unless KVRELAY_GGUF_FIVE_BIT=keep, see `FIVE_BIT_ENV`); and the k-quants' super-blocks of 256,
   whose sub-block scales stay 6- or 8-bit codes beside the super-block's fp32 factors,
   multiplied in the kernel as gguf dequantizes them (`QuantRows.scale_d`): Q4_K (nibbles,
   a scale and minimum code per 32: 4.75 bits a weight read), Q6_K (6-bit codes - 32 held
-  as signed bytes, a scale code per 16: 8.6 bits), Q3_K (3-bit codes - 4 as signed bytes, a
-  6-bit scale code per 16: 8.6 bits, against 3.4 stored) and Q2_K (2-bit codes as nibbles, a
+  as signed bytes, a scale code per 16: 8.6 bits), Q3_K (3-bit codes - 4 as signed nibbles, a
+  6-bit scale code per 16: 4.6 bits, against 3.4 stored) and Q2_K (2-bit codes as nibbles, a
   4-bit scale and minimum code per 16: 5.25 bits, against 2.6 stored).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
@@ -50,7 +50,7 @@ QUANTIZATIONS = ("none", "int8", "gguf")
 BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also a GGUF block's k
 # GGUF block type -> (weights per block, bytes per block, code bits as held)
 GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5),
-                "Q5_1": (32, 24, 5), "Q2_K": (256, 84, 4), "Q3_K": (256, 110, 8), "Q4_K": (256, 144, 4),
+                "Q5_1": (32, 24, 5), "Q2_K": (256, 84, 4), "Q3_K": (256, 110, 4), "Q4_K": (256, 144, 4),
                 "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8)}
 
 
@@ -61,8 +61,8 @@ class QuantError(ValueError):
 @dataclass
 class QuantRows:
     """A quantized [n, k] weight by rows. codes: [n, k], int8 signed bytes
-    (bits 8 without mins), or unsigned codes as int8 or uint8 (0..15 for bits
-    4, 0..31 for bits 5, and 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
+    (bits 8 without mins) or nibbles (bits 4 without mins, -8..7), or unsigned codes as int8 or
+    uint8 (0..15 for bits 4, 0..31 for bits 5, and 8-bit codes with mins); scales: [n, k // group] fp16 (GGUF) or fp32;
     mins: the same, or None. W = codes * scales (+ mins), per group of `group`
     consecutive k.
 
@@ -172,13 +172,21 @@ def _shared_block(parts: list[QuantRows], what: str) -> tuple[int, int]:
     return group, bits
 
 
+def _offset(codes: torch.Tensor) -> int:
+    """The smallest power of two (8 to 128) that makes signed `codes` unsigned: Q3_K's and Q4_0's
+    -8..7 fit nibbles after it, Q6_K's -32..31 and Q8_0's -128..127 bytes."""
+    low = int(codes.min()) if codes.numel() else 0
+    return next(o for o in (8, 16, 32, 64, 128) if low >= -o)
+
+
 def _common_coded_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     """k-quant `parts` (coded scales, one block of k per factor) in one coded form, the values
     unchanged: unsigned codes with minimums (5-bit if every part's fit, else bytes) and a scale and
     minimum code per the block of k they share (llama.cpp's Q4_K_M q and k beside a Q6_K v: bytes
     per 16 k, 9.25 bits a weight where multiplied-out scales read 12). A part without minimums
-    (Q6_K, codes -32..31) moves its codes up by 32 and takes its scale codes as minimum codes under
-    -32 x its scale factor: the minimum is then -32 x its scale, exactly."""
+    (Q6_K, codes -32..31; Q3_K, -4..3) moves its codes up by 32 (8) and takes its scale codes as
+    minimum codes under -32 (-8) x its scale factor: the minimum is then -32 (-8) x its scale,
+    exactly."""
     group, bits = _shared_block(parts, what)
     log.info("%s: parts stored as %s, read as %d-bit codes with coded scales per %d k to be fused", what,
              "/".join(p.fmt for p in parts), bits, group)
@@ -186,8 +194,7 @@ def _common_coded_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     for p in parts:
         codes, mins, min_d = p.codes, p.mins, p.min_d
         if mins is None:
-            low = int(codes.min()) if codes.numel() else 0
-            off = next(o for o in (32, 64, 128) if low >= -o)
+            off = _offset(codes)
             codes, mins, min_d = codes.to(torch.int16) + off, p.scales, p.scale_d * -off
         r = p.group // group
         out.append(QuantRows(p.fmt, bits, codes.to(torch.uint8), p.scales.repeat_interleave(r, dim=1).contiguous(),
@@ -206,7 +213,9 @@ def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     signed = bits == 8 and all(_as_signed(p) is not None for p in parts)
     if signed:
         parts = [_as_signed(p) for p in parts]
-    f16 = group % 32 == 0 and all(p.scales.dtype == torch.float16 and (signed or p.mins is not None) for p in parts)
+    # (a signed nibble part's minimum, -8 x its fp16 scale, is an fp16 too)
+    f16 = group % 32 == 0 and all(p.scales.dtype == torch.float16 and (signed or p.mins is not None or p.bits == 4)
+                                  for p in parts)
     dtype = torch.float16 if f16 else torch.float32
     log.info("%s: parts stored as %s, read as %d-bit codes with %s scales per %d k to be fused", what,
              "/".join(p.fmt for p in parts), bits, "fp16" if f16 else "fp32", group)
@@ -214,8 +223,7 @@ def _common_form(parts: list[QuantRows], what: str) -> list[QuantRows]:
     for p in parts:
         codes, scales, mins = p.codes, p.scales.to(dtype), None if p.mins is None else p.mins.to(dtype)
         if not signed and mins is None:
-            low = int(codes.min()) if codes.numel() else 0
-            off = next(o for o in (32, 64, 128) if low >= -o)
+            off = _offset(codes)
             codes, mins = codes.to(torch.int16) + off, scales * -off
         if not signed:
             codes = codes.to(torch.uint8)
@@ -278,8 +286,8 @@ class QuantWeight:
         blocks = -(-n // BLOCK)
         pad = blocks * BLOCK - n
         codes, mins = rows.codes, rows.mins
-        if rows.bits == 8 and mins is None:  # signed bytes -> unsigned, the minimum -128 x scale implied
-            codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+        if mins is None:  # signed bytes (nibbles) -> unsigned, the minimum -128 (-8) x scale implied
+            codes = (codes.to(torch.int16) + (128 if rows.bits == 8 else 8)).to(torch.uint8)
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad))  # [blocks * 32, k]
         fifth = None
         if rows.bits == 5:  # the fifth bits of each 32 k in one word: k 8 wi + j at bit FIFTH_BIT[wi, j]
@@ -335,7 +343,7 @@ class QuantWeight:
                 v = f[blk, :, col].repeat_interleave(v.shape[1] // f.shape[1], dim=1) * v
             return v
         d = values(self.scales, self.scale_d)
-        m = values(self.mins, self.min_d) if self.mins.numel() else d * -128
+        m = values(self.mins, self.min_d) if self.mins.numel() else d * -(128 if self.bits == 8 else 8)
         return torch.addcmul(m.repeat_interleave(group, dim=1), codes, d.repeat_interleave(group, dim=1))
 
     def dequantize(self) -> torch.Tensor:  # [n, k] float32
@@ -369,8 +377,7 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: str) -> QuantRows:
     """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as QuantRows, the values
-    unchanged: Q8_0, Q5_0, Q4_0 (as Q4_1 with minimum -8 x scale), Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K
-    or Q6_K."""
+    unchanged: Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K."""
     if type_name not in GGUF_FORMATS:
         raise QuantError(f"{what}: stored as {type_name}, which quantization 'gguf' does not keep "
                          f"(it keeps {', '.join(GGUF_FORMATS)}); use quantization 'int8' or 'none'")
@@ -397,8 +404,9 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         return QuantRows("q5_1", 5, t(codes, np.int8), t(_f16(raw[..., :2])), t(_f16(raw[..., 2:4])))
     if type_name in ("Q4_0", "Q4_1"):
         d = t(_f16(raw[..., :2]))
-        codes = t(_nibbles(raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]), np.int8)
-        return QuantRows("q4_1", 4, codes, d, t(_f16(raw[..., 2:4])) if type_name == "Q4_1" else -8 * d)
+        if type_name == "Q4_0":  # W = d (code - 8): signed nibbles (held + 8, the minimum -8 d implied)
+            return QuantRows("q4_0", 4, t(_nibbles(raw[..., 2:]).astype(np.int8) - 8), d)
+        return QuantRows("q4_1", 4, t(_nibbles(raw[..., 4:]), np.int8), d, t(_f16(raw[..., 2:4])))
     if type_name in ("Q2_K", "Q3_K"):  # 2-bit codes in 64 bytes: k 128 i + 32 s + j in bits 2s, 2s + 1 of byte 32 i + j
         lo_at = 16 if type_name == "Q2_K" else 32
         low = (raw[..., lo_at:lo_at + 64].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
@@ -416,7 +424,7 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         lo4 = np.concatenate([sb[..., :8] & 15, sb[..., :8] >> 4], axis=-1)
         hi2 = (sb[..., 8:12].reshape(n, k // per, 1, 4) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
         sc = (lo4 | (hi2.reshape(n, k // per, 16) << 4)).astype(np.int8) - 32
-        return QuantRows("q3_k", 8, t(codes), t(sc), None, t(_f16(raw[..., 108:110]).astype(np.float32)))
+        return QuantRows("q3_k", 4, t(codes), t(sc), None, t(_f16(raw[..., 108:110]).astype(np.float32)))
     if type_name == "Q4_K":  # d, dmin, 12 bytes of scales, then 4 runs of 32 bytes: k 64 r + j low, + 32 + j high
         d, dmin = _f16(raw[..., :2]).astype(np.float32), _f16(raw[..., 2:4]).astype(np.float32)
         sc, mn = _k_scales(raw[..., 4:16])

@@ -186,9 +186,10 @@ KVRELAY_INLINE void zero(I (&acc)[MR][kDigits][NV]) {
 // Rows [0, MR) of x (as digits, rows `stride` ints apart; xb rows `blocks` apart) against
 // columns [h, h + kPass) of block b of W, into y (row stride N; `cols` of them valid).
 // H: groups of scales per block of k, 1 (groups of 32 k or more) or 2 (8- or 4-bit codes scaled
-// per 16 k: each half of a block is summed and scaled on its own). MINS: 8-bit codes are unsigned
-// with minimums of their own (else signed, held + 128, the minimum -128 scale implied); 4-bit
-// codes always have minimums. BITS 5: 4-bit words of the low bits, and after a block-row's words
+// per 16 k: each half of a block is summed and scaled on its own). MINS: the codes are unsigned
+// with minimums of their own, else signed, held + 128 (8 bits) or + 8 (4 bits), the minimum
+// -128 or -8 scale implied (their sums drop that times each digit's sum, as integers, exactly);
+// 5-bit codes always have minimums. BITS 5: 4-bit words of the low bits, and after a block-row's words
 // one word per 32 k of its fifth bits (quant.h), spread into bit 4 of each code's byte in registers.
 template <int BITS, int SF, int MR, int NV, int H, bool MINS>
 KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t stride, const QuantMatrix& w,
@@ -199,7 +200,9 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   constexpr int DB = kDigitBits<BITS>;
   const int64_t K = w.k, groups = K / w.group, blocks = (K + kBlockK - 1) / kBlockK;
   static_assert(H == 1 || (H == 2 && BITS != 5), "groups of 16 k are for 8- and 4-bit codes");
-  constexpr bool kOffset = BITS == 8 && !MINS;  // signed codes held + 128
+  static_assert(MINS || BITS != 5, "5-bit codes have minimums");
+  constexpr bool kOffset = !MINS;                    // signed codes held + kOff, the minimum -kOff scale
+  constexpr int32_t kOff = BITS == 8 ? 128 : 8;
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
   const int64_t sups = SF == kScaleCoded ? K / w.sup : 1, per_sup = SF == kScaleCoded ? w.sup / w.group : 1;
@@ -266,8 +269,9 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
         I s[kDigits];
 #pragma GCC unroll 3
         for (int j = 0; j < kDigits; ++j) {
-          if constexpr (kOffset)
-            s[j] = IVec::sub(acc[m][j][c], IVec::set1(128 * (H == 2 ? xm.dsum[hf][j] : xm.digit_sum(j))));
+          if constexpr (kOffset)  // (8-bit codes' sums are 32-bit already)
+            s[j] = IVec::sub(BITS == 8 ? acc[m][j][c] : IVec::finish(acc[m][j][c]),
+                             IVec::set1(kOff * (H == 2 ? xm.dsum[hf][j] : xm.digit_sum(j))));
           else if constexpr (BITS == 8)
             s[j] = acc[m][j][c];
           else
@@ -335,7 +339,9 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
   const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
   constexpr int F32 = kScaleF32, F16 = kScaleF16, CODED = kScaleCoded;
   if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
-    if (w.bits == 4 && g16)
+    if (w.bits == 4 && !w.mins)
+      matmul_fmt<4, CODED, 2, false>(x, w, y, M, threads);  // Q3_K: signed nibbles + 8, scale codes per 16 k
+    else if (w.bits == 4 && g16)
       matmul_fmt<4, CODED, 2>(x, w, y, M, threads);  // Q2_K: 2-bit codes as nibbles, codes per 16 k
     else if (w.bits == 4)
       matmul_fmt<4, CODED>(x, w, y, M, threads);  // Q4_K
@@ -349,6 +355,10 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
       matmul_fmt<8, CODED, 2>(x, w, y, M, threads);  // Q6_K: a scale code per 16 k
     else
       matmul_fmt<8, CODED>(x, w, y, M, threads);
+  } else if (w.bits == 4 && !w.mins && w.form == F16) {
+    matmul_fmt<4, F16, 1, false>(x, w, y, M, threads);  // Q4_0: signed nibbles + 8, an fp16 scale per 32 k
+  } else if (w.bits == 4 && !w.mins) {
+    matmul_fmt<4, F32, 2, false>(x, w, y, M, threads);  // Q3_K with its scales multiplied out
   } else if (w.bits == 4 && w.form == F16) {
     matmul_fmt<4, F16>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
   } else if (w.bits == 4 && g16) {
@@ -397,10 +407,15 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
               ": a group of ", group, " k is neither a multiple of 32 nor the whole row (nor 16, for 8- or 4-bit "
               "codes with fp32 or coded scales and k a multiple of 32)");
   // 8-bit codes without minimums (an empty tensor): signed, held + 128, the minimum -128 scale
-  const bool no_mins = bits == 8 && mins.defined() && mins.numel() == 0;
+  // 8- and 4-bit codes without minimums (an empty tensor): signed, held + 128 or + 8; signed nibbles
+  // are read with fp16 scales per 32 k (Q4_0) or scale codes per 16 k (Q3_K; multiplied out: fp32)
+  const bool no_mins = bits != 5 && mins.defined() && mins.numel() == 0;
+  TORCH_CHECK(!no_mins || bits == 8 || (f16 && group == 32) || (!f16 && group == 16), what,
+              ": 4-bit codes without minimums are read with fp16 scales per 32 k or fp32 or coded scales per 16 k, "
+              "not ", scales.scalar_type(), " scales per ", group, " k");
   TORCH_CHECK(no_mins || (mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
                           mins.sizes() == scales.sizes()),
-              what, ": minimums must have the scales' type and shape (or, for 8-bit codes, be empty)");
+              what, ": minimums must have the scales' type and shape (or, for 8- or 4-bit codes, be empty)");
   // coded scales: an fp32 factor per `sup` k and column for the scale codes, and one for the minimum codes
   auto factors = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 &&
@@ -486,7 +501,7 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
       const float d = scale(w.scales, w.scale_d, at, b, g, c);
-      const float mn = w.mins ? scale(w.mins, w.min_d, at, b, g, c) : -128.f * d;  // (exact)
+      const float mn = w.mins ? scale(w.mins, w.min_d, at, b, g, c) : (w.bits == 8 ? -128.f : -8.f) * d;  // (exact)
       for (int64_t k = g * G; k < (g + 1) * G; k += per) {
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
         for (int64_t j = 0; j < per; ++j) {

@@ -14,15 +14,16 @@
 //                             shift and mask
 //   scales[b][k / group][c]   fp16 (a GGUF's own), fp32 (int8 made at load), or int8 codes
 //                             (the k-quants' 6-bit sub-block scales, as stored)
-//   mins[b][k / group][c]     the same type; for 8-bit codes, absent (an empty tensor) where
-//                             the codes are signed bytes held + 128 (Q8_0, Q5_0, Q6_K, int8)
+//   mins[b][k / group][c]     the same type; absent (an empty tensor) where the codes are
+//                             signed bytes held + 128 (Q8_0, Q5_0, Q6_K, int8) or signed
+//                             nibbles held + 8 (Q4_0, Q3_K)
 //   scale_d[b][k / sup][c]    int8 scale codes only: fp32 factors, one per `sup` k (a k-quant's
 //   min_d[b][k / sup][c]      super-block of 256: its fp16 d and -dmin), so scale = scale_d * code
 //                             and min = min_d * code in fp32, one rounding each, the products
 //                             llama.cpp and gguf dequantize with
 //
 // so W[32 b + c, k] = code * scale + min, the code unsigned (4 or 8 bits), and
-// without minimums min = -128 scale, exact. group: 32 or more (or the whole
+// without minimums min = -128 (bytes) or -8 (nibbles) scale, exact. group: 32 or more (or the whole
 // row), or 16 for 8- or 4-bit codes with fp32 or coded scales (Q6_K, Q3_K; Q2_K). Coded scales
 // read 3 bytes per 32 k of a column where fp32 ones read 8: Q4_K 4.75 bits a
 // weight instead of 6.0, Q6_K as bytes 8.6 instead of 10.

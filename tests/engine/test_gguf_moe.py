@@ -170,7 +170,7 @@ def test_quantization_gguf_keeps_the_experts_blocks(tmp_path, kind, prompts, qua
     with LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw) as llm:
         model = llm.core.model
         moe = model.moe[model.cfg.moe_layers[0]]
-        assert {moe.gate_up_w[0].fmt, moe.down_w[0].fmt} == {"q4_1", "q8_0"}  # (Q4_0 is kept as Q4_1)
+        assert {moe.gate_up_w[0].fmt, moe.down_w[0].fmt} == {"q4_0", "q8_0"}  # (Q4_0: signed nibbles)
         assert isinstance(model.layers[0].qkv_w, QuantWeight) and isinstance(moe.router_w, torch.Tensor)
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.core.pool.is_fully_free()

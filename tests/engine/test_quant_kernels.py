@@ -24,7 +24,7 @@ FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q2_k", "q3_k", "q4_k", "q5_0", "q5_1
 MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),
          "mixed2": ("q2_k", "q4_1", "q4_0"),  # nibbles with fp32 scales per 16 k
          "mixedk": ("q4_k", "q4_k", "q6_k"),  # q|k|v of a llama.cpp Q4_K_M layer: coded, bytes per 16 k
-         "mixedk2": ("q2_k", "q2_k", "q3_k"),  # q|k|v of a llama.cpp Q2_K layer: coded, bytes per 16 k
+         "mixedk2": ("q2_k", "q2_k", "q3_k"),  # q|k|v of a llama.cpp Q2_K layer: coded nibbles per 16 k
          "mixedk4": ("q2_k", "q4_k", "q2_k"),  # coded nibbles per 16 k
          "mixedk5": ("q4_k", "q5_k", "q4_k"),  # coded, 5-bit codes
          "mixed4": ("q4_k", "q4_1", "q4_0"), "mixed5": ("q5_k", "q5_1", "q5_0"), "mixed6": ("q6_k", "q8_0", "q6_k")}
@@ -58,9 +58,9 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
         lo, hi = {"q6_k": (-128, 128), "q3_k": (-32, 32), "q2_k": (0, 16)}.get(fmt, (0, 64))
         sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8)
         mn = torch.randint(0, hi, (n, k // group), generator=g, dtype=torch.int8)
-        if fmt in ("q3_k", "q6_k"):  # signed codes
-            c = 4 if fmt == "q3_k" else 32
-            return QuantRows(fmt, 8, torch.randint(-c, c, (n, k), generator=g, dtype=torch.int8), sc, None, d)
+        if fmt in ("q3_k", "q6_k"):  # signed codes: nibbles, bytes
+            c, bits = (4, 4) if fmt == "q3_k" else (32, 8)
+            return QuantRows(fmt, bits, torch.randint(-c, c, (n, k), generator=g, dtype=torch.int8), sc, None, d)
         bits = 5 if fmt == "q5_k" else 4
         codes = torch.randint(0, 4 if fmt == "q2_k" else 2 ** bits, (n, k), generator=g, dtype=torch.int8)
         return QuantRows(fmt, bits, codes, sc, mn, d, -dmin)
@@ -72,7 +72,9 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
         codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
         return QuantRows(fmt, 5, codes, d, -16 * d if fmt == "q5_0" else m.to(d.dtype))
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-    return QuantRows("q4_1", 4, codes, d, -8 * d if fmt == "q4_0" else m.to(d.dtype))
+    if fmt == "q4_0":  # signed nibbles
+        return QuantRows(fmt, 4, codes - 8, d)
+    return QuantRows("q4_1", 4, codes, d, m.to(d.dtype))
 
 
 def _ref(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
@@ -99,7 +101,7 @@ def test_packing_keeps_every_value(fmt):
     ids = torch.tensor([0, 31, 32, 69, 5, 5])
     assert torch.equal(p.rows(ids), p.dequantize()[ids])
     assert not p.scales[2, :, 6:].float().any()  # padding rows are zero
-    assert (not p.mins[2, :, 6:].float().any()) if p.mins.numel() else (w.bits == 8 and w.mins is None)
+    assert (not p.mins[2, :, 6:].float().any()) if p.mins.numel() else (w.bits in (4, 8) and w.mins is None)
 
 
 Q = gguf.GGMLQuantizationType
@@ -132,8 +134,8 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
         assert torch.equal(QuantWeight.pack(rows).dequantize(), _gguf_dequantized(raw, qtype, n, k))
     assert rows.coded == qtype.name.endswith("_K")  # the k-quants' scales kept as stored
-    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q4_K") else 5 if qtype.name.startswith("Q5")
-                         else 8)
+    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
+                         else 5 if qtype.name.startswith("Q5") else 8)
 
 
 def test_an_unsupported_gguf_block_type_is_named():
@@ -148,6 +150,7 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q4_k", "q6_k", "q8_0", "q5_1"), (8, 16, torch.float32, False)),  # llama.cpp's Q4_K_M q|k|v, and more
     (("q5_0", "q8_0"), (8, 32, torch.float16, True)),  # read alike: joined as they are
     (("q4_1", "q4_k", "q4_0"), (4, 32, torch.float32, False)),  # 4-bit codes stay 4-bit
+    (("q4_1", "q4_0"), (4, 32, torch.float16, False)),  # Q4_0's signed nibbles + 8, its minimum -8 x scale
     (("q6_k", "q8_0"), (8, 16, torch.float32, True)),  # signed bytes stay signed
     (("q5_0", "q5_1"), (5, 32, torch.float16, False)),  # 5-bit codes with minimums both: joined as they are
     (("q4_1", "q5_k"), (5, 32, torch.float32, False)),  # 4-bit codes are 5-bit codes
@@ -155,7 +158,9 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q4_k", "q6_k"), (8, 16, torch.int8, False, 64)),  # k-quants only: their scale codes kept
     (("q5_k", "q4_k"), (5, 32, torch.int8, False, 64)),
     (("q2_k", "q4_k"), (4, 16, torch.int8, False, 64)),  # nibbles per 16 k
-    (("q2_k", "q3_k"), (8, 16, torch.int8, False, 64)),
+    (("q2_k", "q3_k"), (4, 16, torch.int8, False, 64)),  # Q3_K's signed nibbles + 8, its minimum -8 x scale
+    (("q3_k", "q6_k"), (8, 16, torch.int8, False, 64)),
+    (("q4_0", "q3_k"), (4, 16, torch.float32, False)),
     (("q2_k", "q4_1"), (4, 16, torch.float32, False)),
     (("q6_k", "q6_k"), (8, 16, torch.int8, True, 64)),
 ])
@@ -174,9 +179,9 @@ def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form)
 
 # bits a weight each coded form reads (codes, scale and minimum codes, fp32 factors per 256 k)
 CODED_BITS = {"q4_k": 4 + 16 / 32 + 64 / 256, "q5_k": 5 + 16 / 32 + 64 / 256, "q5_k_bytes": 8 + 16 / 32 + 64 / 256,
-              "q6_k": 8 + 8 / 16 + 32 / 256, "q3_k": 8 + 8 / 16 + 32 / 256, "q2_k": 4 + 16 / 16 + 64 / 256}
+              "q6_k": 8 + 8 / 16 + 32 / 256, "q3_k": 4 + 8 / 16 + 32 / 256, "q2_k": 4 + 16 / 16 + 64 / 256}
 PLAIN_BITS = {"q4_k": 4 + 64 / 32, "q5_k": 5 + 64 / 32, "q5_k_bytes": 8 + 64 / 32, "q6_k": 8 + 32 / 16,  # fp32
-              "q3_k": 8 + 32 / 16, "q2_k": 4 + 64 / 16}
+              "q3_k": 4 + 32 / 16, "q2_k": 4 + 64 / 16}
 
 
 @pytest.mark.parametrize("fmt", CODED_BITS)
@@ -303,8 +308,11 @@ def test_linear_quant_rejects_a_mismatched_weight(quant_ops):
     p4 = QuantWeight.pack(_rows("q4_1", 64, 96))
     with pytest.raises(RuntimeError, match="minimums"):
         quant_ops.ext.linear_quant(torch.randn(2, 96), p4.q, p4.scales, p4.mins.float(), 64, 4)
-    with pytest.raises(RuntimeError, match="minimums"):  # only 8-bit codes may come without them
-        quant_ops.ext.linear_quant(torch.randn(2, 96), p4.q, p4.scales, p4.mins[:0], 64, 4)
+    with pytest.raises(RuntimeError, match="4-bit codes without minimums are read with fp16 scales per 32 k"):
+        quant_ops.ext.linear_quant(torch.randn(2, 96), p4.q, p4.scales.float(), p4.mins[:0], 64, 4)
+    p5 = QuantWeight.pack(_rows("q5_1", 64, 96))
+    with pytest.raises(RuntimeError, match="minimums"):  # 5-bit codes always have them
+        quant_ops.ext.linear_quant(torch.randn(2, 96), p5.q, p5.scales, p5.mins[:0], 64, 5)
     six = QuantWeight.pack(_rows("q6_k", 64, 96))
     with pytest.raises(RuntimeError, match="a group of 16 k"):  # scaled per 16 k, but k not whole blocks of 32
         quant_ops.ext.linear_quant(torch.randn(2, 48), six.q[:, :12].contiguous(), six.scales[:, :3].contiguous(),

@@ -166,7 +166,10 @@ def test_a_tiny_gguf_of_each_kept_type_answers_like_its_fp32_conversion(tmp_path
     write_tiny_gguf(path, qtypes={"self_attn": Q.Q4_0, "mlp.down": Q.Q8_0, "mlp": Q.Q4_1, "": Q.Q8_0})
     kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
     q = LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw)
-    assert {q.core.model.layers[0].qkv_w.fmt, q.core.model.layers[0].down_w.fmt} == {"q4_1", "q8_0"}
+    L = q.core.model.layers[0]
+    assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt] == ["q4_0", "q4_0", "q4_1", "q8_0"]
+    padded = -(-L.qkv_w.n // 32) * 32  # rows, in blocks of 32
+    assert not L.qkv_w.mins.numel() and L.qkv_w.nbytes * 8 == padded * L.qkv_w.k * 4.5  # Q4_0: 4.5 bits a weight
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -231,7 +234,7 @@ def test_a_tiny_gguf_in_llama_cpp_low_bit_layouts_answers_like_its_fp32_conversi
     assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt] == \
         [f"{low.name.lower()}+{more.name.lower()}", "q4_k", low.name.lower(), more.name.lower()]
     assert [w.scales.dtype for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)] == [torch.int8] * 4
-    assert L.gate_up_w.bits == (8 if layout == "q3_k_m" else 4)
+    assert L.gate_up_w.bits == 4  # Q3_K: signed nibbles; Q2_K: nibbles with minimums
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
