@@ -1,5 +1,6 @@
-"""k-quant scales held as stored (6- or 8-bit codes and an fp32 factor per 256 k) or multiplied
-out to fp32 per 16 or 32 k, side by side.
+"""GGUF weights as held now against as held before, side by side: k-quant scales as stored (4-,
+6- or 8-bit codes and an fp32 factor per 256 k) against multiplied out to fp32 per 16 or 32 k,
+and Q4_0 as signed nibbles against unsigned nibbles with an fp16 minimum (-8 x scale) stored.
 
     python -m engine.kscale_bench                      # every ISA path this CPU runs, 1 and 2 threads
     python -m engine.kscale_bench --rounds 5 --write
@@ -7,10 +8,13 @@ out to fp32 per 16 or 32 k, side by side.
 A decode step's matmuls for one layer of a Llama-3-8B-shaped model (q|k|v 6144 x 4096, o 4096 x
 4096, gate|up 28672 x 4096, down 4096 x 14336: 218M weights, far past any cache), all in one GGUF
 type, or (Q4_K_M) as llama.cpp's Q4_K_M lays out a layer whose v and down projections take
-Q6_K (q|k|v then fuses Q4_K q and k with a Q6_K v), run back to back for 1 and for 8 token rows. Both forms of the same weights are packed in
+Q6_K (q|k|v then fuses Q4_K q and k with a Q6_K v), run back to back for 1 and for 8 token rows.
+(Q2_K and Q3_K were refused before; their "before" is their scales multiplied out.) Both forms of the same weights are packed in
 one process and timed in interleaved rounds, each round's ratio taken within the round (these
 machines are shared and noisy). The codes are random bytes with finite super-block factors, so
-every bit of the packed scales is in play; the two forms give the same bits, checked each run.
+every bit of the packed scales is in play. The k-quants' two forms give the same bits (the same
+products, in the same order); Q4_0's differ in the last bits (signed nibbles drop 8 x the sum of x
+as an integer, the form before added -8 x scale times it in fp32): checked each run.
 The weights are held in transparent huge pages, as a model's are (engine/hugepages.py).
 The memory wall is the layer's bytes over the read bandwidth measured in the same run.
 """
@@ -22,21 +26,22 @@ import statistics
 import sys
 import time
 
-SECTION = "## k-quant scales: held as stored or multiplied out"
-TYPES = ("Q4_K", "Q6_K", "Q4_K_M")
+SECTION = "## GGUF weights as held now and before: k-quant scale codes, signed nibbles"
+TYPES = ("Q4_K", "Q6_K", "Q4_K_M", "Q2_K", "Q3_K", "Q4_0")
 SHAPES = (("q|k|v", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
 
 
 def random_rows(type_name: str, n: int, k: int, seed: int):
-    """A GGUF tensor of `type_name` with random codes and scales (QuantRows, coded scales)."""
+    """A GGUF tensor of `type_name` with random codes and scales (QuantRows as read)."""
     import gguf
     import numpy as np
 
     from engine.quant import gguf_rows
 
-    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
-    raw = np.random.default_rng(seed).integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    for i, v in zip([size - 2] if type_name == "Q6_K" else [0, 2], (0.004, 0.002)):  # fp16 d (and dmin): finite
+    per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2], "Q4_0": [0]}.get(type_name, [0, 2])
+    for i, v in zip(at, (0.004, 0.002)):  # fp16 d (and dmin): finite
         raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
     return gguf_rows(raw.reshape(n, -1), type_name, (n, k), f"random {type_name}")
 
@@ -52,6 +57,16 @@ def layer_rows(type_name: str, shapes) -> list:
     qkv = QuantRows.cat([random_rows("Q4_K", nqkv - nv, k, 0), random_rows("Q6_K", nv, k, 1)], "q|k|v")
     return [qkv] + [random_rows("Q6_K" if name == "down" else "Q4_K", n, k, 2 + i)
                     for i, (name, n, k) in enumerate(rest)]
+
+
+def held_before(rows):
+    """`rows` as held before: k-quant scales multiplied out to fp32; Q4_0 as unsigned nibbles with
+    an fp16 minimum -8 x scale stored (Q4_1's form)."""
+    from engine.quant import QuantRows
+
+    if rows.fmt == "q4_0":
+        return QuantRows("q4_0", 4, rows.codes + 8, rows.scales, -8 * rows.scales)
+    return rows.decoded()
 
 
 def in_huge_pages(w):
@@ -90,8 +105,8 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
     lines = []
     for type_name in types:
         coded = layer_rows(type_name, shapes)
-        forms = {"stored": [in_huge_pages(QuantWeight.pack(r)) for r in coded],
-                 "fp32": [in_huge_pages(QuantWeight.pack(r.decoded())) for r in coded]}
+        forms = {"now": [in_huge_pages(QuantWeight.pack(r)) for r in coded],
+                 "before": [in_huge_pages(QuantWeight.pack(held_before(r))) for r in coded]}
         del coded
         mb = {f: sum(w.nbytes for w in ws) / 1e6 for f, ws in forms.items()}
         weights = sum(n * k for _, n, k in shapes)
@@ -105,7 +120,9 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
 
                     def layer(ws):
                         return [ops.linear(x, w) for x, w in zip(xs, ws)]
-                    same = all(torch.equal(a, b) for a, b in zip(layer(forms["stored"]), layer(forms["fp32"])))
+                    outs = list(zip(layer(forms["now"]), layer(forms["before"])))
+                    diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in outs)
+                    agree = "same bits" if all(torch.equal(a, b) for a, b in outs) else f"within {diff:.0e}"
                     ms = {f: [] for f in forms}
                     for r in range(rounds):
                         for f, ws in forms.items():
@@ -113,19 +130,19 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
                             ms[f].append(statistics.median(_timed(lambda: layer(ws)) for _ in range(reps)) * 1e3)
                         print(f"{type_name} {isa} {t} thread(s) {m} row(s) round {r + 1}/{rounds}: "
                               + ", ".join(f"{f} {v[-1]:.2f} ms" for f, v in ms.items()), file=sys.stderr)
-                    speedups = [b / a for a, b in zip(ms["stored"], ms["fp32"])]
+                    speedups = [b / a for a, b in zip(ms["now"], ms["before"])]
                     med = {f: statistics.median(v) for f, v in ms.items()}
                     at_wall = {f: mb[f] / 1e3 / wall / (med[f] / 1e3) for f in forms}
                     lines.append(
-                        f"| {type_name} | {isa} | {t} | {m} | {med['fp32']:.2f} ({at_wall['fp32']:.0%}) "
-                        f"| {med['stored']:.2f} ({at_wall['stored']:.0%}) | {wall:.1f} "
+                        f"| {type_name} | {isa} | {t} | {m} | {med['before']:.2f} ({at_wall['before']:.0%}) "
+                        f"| {med['now']:.2f} ({at_wall['now']:.0%}) | {wall:.1f} "
                         f"| {', '.join(f'{x:.2f}' for x in speedups)} | **{statistics.median(speedups):.2f}x** "
-                        f"| {'yes' if same else 'NO'} |")
-        lines.append(f"| {type_name}: MB a layer | | | | {mb['fp32']:.1f} ({mb['fp32'] * 8e6 / weights:.3g} bits "
-                     f"a weight) | {mb['stored']:.1f} ({mb['stored'] * 8e6 / weights:.3g} bits) | | | | |")
+                        f"| {agree} |")
+        lines.append(f"| {type_name}: MB a layer | | | | {mb['before']:.1f} ({mb['before'] * 8e6 / weights:.3g} bits "
+                     f"a weight) | {mb['now']:.1f} ({mb['now'] * 8e6 / weights:.3g} bits) | | | | |")
         del forms
-    return ("| type | ISA path | threads | token rows | fp32 scales: ms (of the wall) | stored codes: ms "
-            "(of the wall) | read GB/s | fp32 / stored time, each round | median | same bits |\n"
+    return ("| type | ISA path | threads | token rows | before: ms (of the wall) | now: ms "
+            "(of the wall) | read GB/s | before / now time, each round | median | outputs agree |\n"
             "|---|---|---:|---:|---:|---:|---:|---|---:|---|\n" + "\n".join(lines) + "\n")
 
 
@@ -150,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                args.reps, args.shrink)
     command = "python -m engine.kscale_bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"{SECTION}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
-            "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, with the scales held as "
-            "stored (6- or 8-bit codes and fp32 factors per 256 k) and multiplied out to fp32, side by side in "
+            "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, as held now (k-quant scales "
+            "as stored: 4-, 6- or 8-bit codes and fp32 factors per 256 k; Q4_0 as signed nibbles) and as held "
+            "before (k-quant scales multiplied out to fp32, Q2_K and Q3_K being refused then; Q4_0 with an fp16 "
+            "minimum stored), side by side in "
             f"one process, interleaved rounds; the CPU runs {cpu_isa_text()}. Times are medians of "
             f"{args.rounds} rounds; \"of the wall\": the layer's bytes read at the bandwidth measured in the "
             f"same run.\n\n{body}\n{provenance(command)}\n")

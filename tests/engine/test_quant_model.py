@@ -334,9 +334,10 @@ def test_five_bit_bench_compares_both_forms_of_one_file(tmp_path, quant_isa, mon
 
 
 def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, monkeypatch):
-    """python -m engine.kscale_bench (shrunk): k-quant scales as stored and multiplied out give the
-    same bits, and the stored form reads what its layout says: Q4_K 4.75 bits a weight against 6,
-    Q6_K 8.62 against 10, a Q4_K_M layer (q|k|v fusing Q4_K with Q6_K) 6.31 against 7.77."""
+    """python -m engine.kscale_bench (shrunk): each type as held now and as held before gives the
+    same bits, and each form reads what its layout says, in bits a weight: Q4_K 4.75 (before: 6),
+    Q6_K 8.62 (10), a Q4_K_M layer (q|k|v fusing Q4_K with Q6_K) 6.31 (7.77), Q2_K 5.25 (8), Q3_K
+    4.62 (6), Q4_0 4.5 (5)."""
     import re
 
     from engine import benchmarks_md, kscale_bench
@@ -348,10 +349,13 @@ def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, 
                               "--reps", "1", "--write"]) == 0
     text = md.read_text()
     assert text.count(kscale_bench.SECTION) == 1
-    rows = re.findall(rf"^\| (Q4_K|Q6_K|Q4_K_M) \| {quant_isa} \| 1 \| [13] \| [\d.]+ \(\d+%\) \| [\d.]+ \(\d+%\) "
-                      rf"\| [\d.]+ \| [\d., ]+ \| \*\*[\d.]+x\*\* \| yes \|$", text, re.M)
-    assert rows == ["Q4_K", "Q4_K", "Q6_K", "Q6_K", "Q4_K_M", "Q4_K_M"], text
-    assert "| Q4_K: MB a layer | | | | 2.6 (6 bits a weight) | 2.0 (4.75 bits) |" in text
-    assert re.search(r"\| Q6_K: MB a layer \| \| \| \| [\d.]+ \(10 bits a weight\) \| [\d.]+ \(8.62 bits\) \|", text)
-    assert re.search(r"\| Q4_K_M: MB a layer \| \| \| \| [\d.]+ \(7.77 bits a weight\) \| [\d.]+ \(6.31 bits\) \|",
-                     text)
+    rows = re.findall(rf"^\| (\w+) \| {quant_isa} \| 1 \| [13] \| [\d.]+ \(\d+%\) \| [\d.]+ \(\d+%\) "
+                      rf"\| [\d.]+ \| [\d., ]+ \| \*\*[\d.]+x\*\* \| (same bits|within \de-0[6-9]) \|$", text, re.M)
+    assert [t for t, _ in rows] == [t for t in kscale_bench.TYPES for _ in range(2)], text
+    # the k-quants' two forms are the same products in the same order; Q4_0's agree to fp32 rounding
+    assert all((agree == "same bits") == (t != "Q4_0") for t, agree in rows), rows
+    bits = {"Q4_K": ("6", "4.75"), "Q6_K": ("10", "8.62"), "Q4_K_M": ("7.77", "6.31"), "Q2_K": ("8", "5.25"),
+            "Q3_K": ("6", "4.62"), "Q4_0": ("5", "4.5")}
+    for t, (before, now) in bits.items():
+        assert re.search(rf"\| {t}: MB a layer \| \| \| \| [\d.]+ \({before} bits a weight\) \| [\d.]+ \({now} bits\) \|",
+                         text), (t, text)
