@@ -12,7 +12,10 @@
   a scale and minimum code per 32: 4.75 bits a weight read), Q6_K (6-bit codes - 32 held
   as signed bytes, a scale code per 16: 8.6 bits), Q3_K (3-bit codes - 4 as signed nibbles, a
   6-bit scale code per 16: 4.6 bits, against 3.4 stored) and Q2_K (2-bit codes as nibbles, a
-  4-bit scale and minimum code per 16: 5.25 bits, against 2.6 stored).
+  4-bit scale and minimum code per 16: 5.25 bits, against 2.6 stored); and the i-quants IQ4_NL
+  and IQ4_XS, their 4-bit indices looked up at load into the signed bytes they stand for (IQ4_NL
+  as Q8_0, an fp16 scale per 32: 8.5 bits; IQ4_XS with its 6-bit scale codes per 32 under an
+  fp32 factor per 256: 8.4 bits, against 4.5 and 4.25 stored).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
 concatenated, permuted and checked like a tensor), then packed once into the
@@ -51,7 +54,9 @@ BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also
 # GGUF block type -> (weights per block, bytes per block, code bits as held)
 GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5),
                 "Q5_1": (32, 24, 5), "Q2_K": (256, 84, 4), "Q3_K": (256, 110, 4), "Q4_K": (256, 144, 4),
-                "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8)}
+                "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8), "IQ4_NL": (32, 18, 8), "IQ4_XS": (256, 136, 8)}
+# IQ4_NL and IQ4_XS: a 4-bit index per weight into these values (llama.cpp's non-linear grid)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 class QuantError(ValueError):
@@ -377,7 +382,7 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: str) -> QuantRows:
     """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as QuantRows, the values
-    unchanged: Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K."""
+    unchanged: Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS."""
     if type_name not in GGUF_FORMATS:
         raise QuantError(f"{what}: stored as {type_name}, which quantization 'gguf' does not keep "
                          f"(it keeps {', '.join(GGUF_FORMATS)}); use quantization 'int8' or 'none'")
@@ -407,6 +412,16 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         if type_name == "Q4_0":  # W = d (code - 8): signed nibbles (held + 8, the minimum -8 d implied)
             return QuantRows("q4_0", 4, t(_nibbles(raw[..., 2:]).astype(np.int8) - 8), d)
         return QuantRows("q4_1", 4, t(_nibbles(raw[..., 4:]), np.int8), d, t(_f16(raw[..., 2:4])))
+    if type_name == "IQ4_NL":  # d, 16 bytes of indices (k j low nibble of byte j, k 16 + j high)
+        return QuantRows("iq4_nl", 8, t(IQ4_VALUES[_nibbles(raw[..., 2:])]), t(_f16(raw[..., :2])))
+    if type_name == "IQ4_XS":  # d, 2 bytes of the scales' top 2 bits (sub-block i: bits 2i, 2i + 1), 4 bytes
+        # of their low 4 bits (sub-block 2i: low nibble of byte i, 2i + 1 high), 8 runs of 16 bytes of indices
+        d = _f16(raw[..., :2]).astype(np.float32)
+        high = (raw[..., 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        low = np.stack([raw[..., 4:8] & 15, raw[..., 4:8] >> 4], axis=-1).reshape(n, k // per, 8)
+        sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32
+        idx = _nibbles(raw[..., 8:].reshape(n, k // per, 8, 16))
+        return QuantRows("iq4_xs", 8, t(IQ4_VALUES[idx]), t(sc), None, t(d))
     if type_name in ("Q2_K", "Q3_K"):  # 2-bit codes in 64 bytes: k 128 i + 32 s + j in bits 2s, 2s + 1 of byte 32 i + j
         lo_at = 16 if type_name == "Q2_K" else 32
         low = (raw[..., lo_at:lo_at + 64].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3

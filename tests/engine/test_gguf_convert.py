@@ -105,7 +105,8 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtypes: dict[str, Q] | None
         qtype = next((q for key, q in (qtypes or {}).items() if key in name), Q.F32)
         if w.ndim == 1:
             qtype = Q.F32  # llama.cpp keeps norms and biases in F32
-        raw = kquants.quantize(w, qtype.name) if qtype.name.endswith("_K") else gguf.quants.quantize(w, qtype)
+        ours = qtype.name.endswith("_K") or qtype.name.startswith("IQ4")  # gguf does not write these
+        raw = kquants.quantize(w, qtype.name) if ours else gguf.quants.quantize(w, qtype)
         writer.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -111,21 +111,23 @@ def _gguf_dequantized(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                                   Q.IQ4_NL, Q.IQ4_XS])
 def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     """The row form of a GGUF tensor's raw blocks holds exactly the values gguf's own dequantize
-    gives: blocks quantized from weights (the k-quants by engine/kquants.py), and for the
-    k-quants also random bytes, every bit of their packed scales, minimums and codes in play."""
+    gives: blocks quantized from weights (the k- and i-quants by engine/kquants.py), and for those
+    also random bytes, every bit of their packed scales, minimums, codes and indices in play."""
     from engine import kquants
 
     n, k = 40, 512
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
-    raws = [kquants.quantize(w, qtype.name) if qtype.name.endswith("_K") else gguf.quants.quantize(w, qtype)]
-    if qtype.name.endswith("_K"):
-        size = gguf.GGML_QUANT_SIZES[qtype][1]
-        raw = np.random.default_rng(1).integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    ours = qtype.name.endswith("_K") or qtype.name.startswith("IQ4")  # gguf does not write these
+    raws = [kquants.quantize(w, qtype.name) if ours else gguf.quants.quantize(w, qtype)]
+    if ours:
+        per, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(1).integers(0, 256, (n, k // per, size), dtype=np.uint8)
         at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2], "Q4_K": [0, 2],
-              "Q5_K": [0, 2]}[qtype.name]  # the fp16 d (and dmin): finite
+              "Q5_K": [0, 2], "IQ4_NL": [0], "IQ4_XS": [0]}[qtype.name]  # the fp16 d (and dmin): finite
         for i, v in zip(at, (0.004, 0.002)):
             raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
         raws.append(raw.reshape(n, -1))
@@ -133,15 +135,15 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
         rows = gguf_rows(raw, qtype.name, (n, k), "t")
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
         assert torch.equal(QuantWeight.pack(rows).dequantize(), _gguf_dequantized(raw, qtype, n, k))
-    assert rows.coded == qtype.name.endswith("_K")  # the k-quants' scales kept as stored
+    assert rows.coded == (qtype.name.endswith("_K") or qtype.name == "IQ4_XS")  # scale codes kept as stored
     assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
                          else 5 if qtype.name.startswith("Q5") else 8)
 
 
 def test_an_unsupported_gguf_block_type_is_named():
-    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*IQ4_XS.*keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
-                                         r"Q4_K, Q5_K, Q6_K"):
-        gguf_rows(np.zeros((4, 136), np.uint8), "IQ4_XS", (4, 256), "tensor 'blk.0.ffn_up.weight'")
+    with pytest.raises(QuantError, match=r"blk\.0\.ffn_up.*IQ2_XXS.*keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                                         r"Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
+        gguf_rows(np.zeros((4, 66), np.uint8), "IQ2_XXS", (4, 256), "tensor 'blk.0.ffn_up.weight'")
     with pytest.raises(QuantError, match=r"Q4_K rows of 96 weights are not whole blocks of 256"):
         gguf_rows(np.zeros((4, 54), np.uint8), "Q4_K", (4, 96), "t")
 

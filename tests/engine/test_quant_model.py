@@ -210,31 +210,42 @@ def test_a_tiny_k_quant_gguf_as_llama_cpp_mixes_them_answers_like_its_fp32_conve
     assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("layout", ["q3_k_m", "q2_k"])
+# llama.cpp's low-bit layouts: per tensor (after the first name that matches), and what each
+# layer matrix is then held as: (format, bits)
+LOW_BIT_LAYOUTS = {
+    "q3_k_m": ({"self_attn.v_proj": "Q5_K", "self_attn.o_proj": "Q4_K", "self_attn": "Q3_K", "mlp.down": "Q5_K",
+                "mlp": "Q3_K"}, [("q3_k+q5_k", 8), ("q4_k", 4), ("q3_k", 4), ("q5_k", 8)]),
+    "q2_k": ({"self_attn.v_proj": "Q3_K", "self_attn.o_proj": "Q4_K", "self_attn": "Q2_K", "mlp.down": "Q3_K",
+              "mlp": "Q2_K"}, [("q2_k+q3_k", 4), ("q4_k", 4), ("q2_k", 4), ("q3_k", 4)]),
+    "iq4_xs": ({"mlp.down": "IQ4_NL", "": "IQ4_XS"}, [("iq4_xs", 8), ("iq4_xs", 8), ("iq4_xs", 8), ("iq4_nl", 8)]),
+}
+
+
+@pytest.mark.parametrize("layout", LOW_BIT_LAYOUTS)
 def test_a_tiny_gguf_in_llama_cpp_low_bit_layouts_answers_like_its_fp32_conversion(tmp_path, quant_isa, layout):
-    """llama.cpp's Q3_K_M (Q3_K q, k, gate and up beside Q5_K v and down, Q4_K o) and Q2_K (Q2_K
-    beside Q3_K v and down, a Q4_K o) layouts: Q2_K held as nibbles with its 4-bit scale and minimum
-    codes per 16 k, Q3_K as signed bytes with its 6-bit scale codes, q|k|v fused keeping the codes;
-    the same greedy tokens as the dequantized fp32 model."""
+    """llama.cpp's Q3_K_M (Q3_K q, k, gate and up beside Q5_K v and down, Q4_K o), Q2_K (Q2_K
+    beside Q3_K v and down, a Q4_K o) and IQ4_XS (with an IQ4_NL down projection) layouts: Q2_K
+    held as nibbles with its 4-bit scale and minimum codes per 16 k, Q3_K as signed nibbles with
+    its 6-bit scale codes, the i-quants as the signed bytes their indices stand for, q|k|v fused
+    keeping the scale codes; the same greedy tokens as the dequantized fp32 model."""
     import gguf
 
     from tests.engine.factories import random_prompts
     from tests.engine.test_gguf_convert import write_tiny_gguf
 
     Q = gguf.GGMLQuantizationType
-    low = Q.Q3_K if layout == "q3_k_m" else Q.Q2_K
-    more = Q.Q5_K if layout == "q3_k_m" else Q.Q3_K
+    types, held = LOW_BIT_LAYOUTS[layout]
     path = tmp_path / "m.gguf"
-    qtypes = {"self_attn.v_proj": more, "self_attn.o_proj": Q.Q4_K, "self_attn": low, "mlp.down": more,
-              "mlp": low, "lm_head": Q.Q6_K, "embed": Q.Q8_0}
+    qtypes = {part: Q[t] for part, t in types.items() if part} | {"lm_head": Q.Q6_K, "embed": Q.Q8_0}
+    qtypes[""] = Q[types.get("", "Q8_0")]
     write_tiny_gguf(path, qtypes=qtypes, hidden_size=256, intermediate_size=512)
     kw = dict(cache_dir=tmp_path / "cache", num_kv_blocks=64)
     q = LLM(str(path), quantization="gguf", kernel_isa=quant_isa, **kw)
     L = q.core.model.layers[0]
-    assert [L.qkv_w.fmt, L.o_w.fmt, L.gate_up_w.fmt, L.down_w.fmt] == \
-        [f"{low.name.lower()}+{more.name.lower()}", "q4_k", low.name.lower(), more.name.lower()]
-    assert [w.scales.dtype for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)] == [torch.int8] * 4
-    assert L.gate_up_w.bits == 4  # Q3_K: signed nibbles; Q2_K: nibbles with minimums
+    mats = (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)
+    assert [(w.fmt, w.bits) for w in mats] == held
+    # scale codes kept as stored, except IQ4_NL's own fp16 scales
+    assert [w.scales.dtype for w in mats] == [torch.float16 if w.fmt == "iq4_nl" else torch.int8 for w in mats]
     ref = LLM(str(path), dtype="float32", **kw)
     prompts = random_prompts(3, 96, [4, 20])
     params = SamplingParams(max_tokens=12, **GREEDY)
