@@ -7,6 +7,8 @@ import datetime
 import os
 import platform
 import re
+import shlex
+import sys
 from pathlib import Path
 
 BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
@@ -40,6 +42,20 @@ def provenance(command: str | None = None) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"- Command: `{command.strip()}`"] if command else []
     return "\n".join(lines + [f"- Date: {now}", f"- Machine: {machine()}"])
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How `python -m module` was run: its arguments (`argv`, else this process's), quoted."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+
+
+def publish(section: str, write: bool) -> int:
+    """Print a benchmark's section and, when asked to (--write), put it into BENCHMARKS.md; 0,
+    the script's exit status."""
+    print(section)
+    if write:
+        write_section(section)
+    return 0
 
 
 def write_section(new_section: str, path: Path = BENCHMARKS_FILE) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -64,7 +63,7 @@ def run(path: Path, isas: list[str], threads: list[int], rounds: int, prompt_len
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.benchmarks_md import cpu_isa_text, provenance, write_section
+    from engine.benchmarks_md import command_line, cpu_isa_text, provenance, publish
     from engine.kernels import cpu_isas
 
     p = argparse.ArgumentParser(prog="python -m engine.five_bit_bench", description=__doc__.split("\n\n")[0])
@@ -89,15 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the default model as Q4_K_M: {counts}", file=sys.stderr)
         body = run(path, isas, threads, args.rounds, args.prompt_len, args.new_tokens)
     what = "the default model in llama.cpp's Q4_K_M layout" if args.model is None else args.model.name
-    command = "python -m engine.five_bit_bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line("engine.five_bit_bench", argv)
     text = (f"{SECTION}\n\nWritten by `engine/five_bit_bench.py`. Single-stream decode ({args.prompt_len}-token prompt, "
             f"{args.new_tokens} new) of {what}, "
             f"both forms in one process, interleaved rounds; the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")
-    print(text)
-    if args.write:
-        write_section(text)
-    return 0
+    return publish(text, args.write)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ The memory wall is the layer's bytes over the read bandwidth measured in the sam
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -147,7 +146,7 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.benchmarks_md import cpu_isa_text, provenance, write_section
+    from engine.benchmarks_md import command_line, cpu_isa_text, provenance, publish
     from engine.kernels import cpu_isas
 
     p = argparse.ArgumentParser(prog="python -m engine.kscale_bench", description=__doc__.split("\n\n")[0])
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return [fn(s) for s in text.split(",") if s]
     body = run(split(args.types), split(args.isa), split(args.threads, int), split(args.rows, int), args.rounds,
                args.reps, args.shrink)
-    command = "python -m engine.kscale_bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line("engine.kscale_bench", argv)
     text = (f"{SECTION}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
             "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, as held now (k-quant scales "
             "as stored: 4-, 6- or 8-bit codes and fp32 factors per 256 k; Q4_0 as signed nibbles) and as held "
@@ -174,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             f"one process, interleaved rounds; the CPU runs {cpu_isa_text()}. Times are medians of "
             f"{args.rounds} rounds; \"of the wall\": the layer's bytes read at the bandwidth measured in the "
             f"same run.\n\n{body}\n{provenance(command)}\n")
-    print(text)
-    if args.write:
-        write_section(text)
-    return 0
+    return publish(text, args.write)
 
 
 if __name__ == "__main__":
