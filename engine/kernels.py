@@ -331,7 +331,8 @@ class QuantOps(NativeOps):
         from engine.quant import QuantWeight
 
         if isinstance(w, QuantWeight):
-            return self.ext.linear_quant(x, w.q, w.scales, w.mins, w.n, w.bits, scale_d=w.scale_d, min_d=w.min_d)
+            return self.ext.linear_quant(x, w.q, w.scales, w.mins, w.n, w.bits, scale_d=w.scale_d, min_d=w.min_d,
+                                         grid=w.grid)
         return F.linear(x, w)
 
     def logits(self, hidden, lm_head):
@@ -341,7 +342,7 @@ class QuantOps(NativeOps):
         from engine.quant import QuantWeight
 
         if isinstance(w, QuantWeight):
-            return self.ext.quant_rows(w.q, w.scales, w.mins, ids, w.n, w.bits, w.scale_d, w.min_d)  # = w.rows(ids)
+            return self.ext.quant_rows(w.q, w.scales, w.mins, ids, w.n, w.bits, w.scale_d, w.min_d, w.grid)  # = w.rows(ids)
         return F.embedding(ids, w)
 
     def fused_decoder(self, model):

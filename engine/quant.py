@@ -13,9 +13,9 @@
   as signed bytes, a scale code per 16: 8.6 bits), Q3_K (3-bit codes - 4 as signed nibbles, a
   6-bit scale code per 16: 4.6 bits, against 3.4 stored) and Q2_K (2-bit codes as nibbles, a
   4-bit scale and minimum code per 16: 5.25 bits, against 2.6 stored); and the i-quants IQ4_NL
-  and IQ4_XS, their 4-bit indices looked up at load into the signed bytes they stand for (IQ4_NL
-  as Q8_0, an fp16 scale per 32: 8.5 bits; IQ4_XS with its 6-bit scale codes per 32 under an
-  fp32 factor per 256: 8.4 bits, against 4.5 and 4.25 stored).
+  and IQ4_XS, their 4-bit indices kept as nibbles and looked up in registers (`QuantRows.grid`:
+  IQ4_NL with an fp16 scale per 32, 4.5 bits; IQ4_XS with its 6-bit scale codes per 32 under an
+  fp32 factor per 256, 4.4 bits).
 
 A weight is read in row form (`QuantRows`: codes one per byte, so rows can be
 concatenated, permuted and checked like a tensor), then packed once into the
@@ -54,9 +54,10 @@ BLOCK = 32  # output rows per packed block (engine/csrc/isa.h kPackedCols); also
 # GGUF block type -> (weights per block, bytes per block, code bits as held)
 GGUF_FORMATS = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 5),
                 "Q5_1": (32, 24, 5), "Q2_K": (256, 84, 4), "Q3_K": (256, 110, 4), "Q4_K": (256, 144, 4),
-                "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8), "IQ4_NL": (32, 18, 8), "IQ4_XS": (256, 136, 8)}
+                "Q5_K": (256, 176, 5), "Q6_K": (256, 210, 8), "IQ4_NL": (32, 18, 4), "IQ4_XS": (256, 136, 4)}
 # IQ4_NL and IQ4_XS: a 4-bit index per weight into these values (llama.cpp's non-linear grid)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+IQ4_GRID = torch.from_numpy(IQ4_VALUES)
 
 
 class QuantError(ValueError):
@@ -73,7 +74,10 @@ class QuantRows:
 
     Coded scales (the k-quants as stored): scales and mins are int8 codes, and scale_d and
     min_d [n, k // sup] fp32 their factors per `sup` k, the value of a scale being
-    scale_d * code in fp32 (one rounding: gguf's own product), of a minimum min_d * code."""
+    scale_d * code in fp32 (one rounding: gguf's own product), of a minimum min_d * code.
+
+    A grid (IQ4_NL, IQ4_XS): int8 [16] values that the codes, 4-bit indices (bits 4, no mins),
+    stand for: W = grid[codes] * scales."""
 
     fmt: str  # "q8_0", "q4_1" or "int8"
     bits: int
@@ -82,6 +86,13 @@ class QuantRows:
     mins: torch.Tensor | None = None
     scale_d: torch.Tensor | None = None
     min_d: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
+
+    def valued(self) -> QuantRows:
+        """The same weight with gridded codes replaced by the signed bytes they stand for."""
+        if self.grid is None:
+            return self
+        return QuantRows(self.fmt, 8, self.grid[self.codes.long()], self.scales, None, self.scale_d, self.min_d)
 
     @property
     def coded(self) -> bool:
@@ -101,7 +112,7 @@ class QuantRows:
         def values(codes, d):
             return None if codes is None else d.repeat_interleave(r, dim=1) * codes.float()
         return QuantRows(self.fmt, self.bits, self.codes, values(self.scales, self.scale_d),
-                         values(self.mins, self.min_d))
+                         values(self.mins, self.min_d), grid=self.grid)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,11 +127,11 @@ class QuantRows:
         def f(t):
             return None if t is None else fn(t)
         return QuantRows(self.fmt, self.bits, fn(self.codes), fn(self.scales), f(self.mins), f(self.scale_d),
-                         f(self.min_d))
+                         f(self.min_d), self.grid)
 
     def dequantize(self) -> torch.Tensor:  # [n, k] float32
-        if self.coded:
-            return self.decoded().dequantize()
+        if self.coded or self.grid is not None:
+            return self.valued().decoded().dequantize()
         d = self.scales.float().repeat_interleave(self.group, dim=1)
         if self.mins is None:
             return self.codes.float() * d
@@ -130,8 +141,9 @@ class QuantRows:
     def form(self) -> tuple:
         """What the kernel needs to know of a weight: code bits, block of k per scale, the scales'
         dtype (int8: codes), whether the codes are signed bytes (8-bit, no minimums), and k per
-        factor of coded scales."""
-        return (self.bits, self.group, self.scales.dtype, self.mins is None) + ((self.sup,) if self.coded else ())
+        factor of coded scales, and the grid its codes index."""
+        grid = () if self.grid is None else (tuple(self.grid.tolist()),)
+        return (self.bits, self.group, self.scales.dtype, self.mins is None) + ((self.sup,) if self.coded else ()) + grid
 
     @staticmethod
     def cat(parts: list[QuantRows], what: str) -> QuantRows:
@@ -143,6 +155,7 @@ class QuantRows:
         k-quant parts only (coded scales with one block of k per factor) keep their scale codes
         (`_common_coded_form`)."""
         if len({p.form for p in parts}) > 1:
+            parts = [p.valued() for p in parts]  # (gridded parts beside others: as the bytes they stand for)
             coded = all(p.coded for p in parts) and len({p.sup for p in parts}) == 1
             parts = _common_coded_form(parts, what) if coded else _common_form(parts, what)
         first = parts[0]
@@ -150,7 +163,7 @@ class QuantRows:
         def cat(name):
             return None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
         return QuantRows("+".join(dict.fromkeys(p.fmt for p in parts)), first.bits, cat("codes"), cat("scales"),
-                         cat("mins"), cat("scale_d"), cat("min_d"))
+                         cat("mins"), cat("scale_d"), cat("min_d"), first.grid)
 
 
 def _as_signed(p: QuantRows) -> QuantRows | None:
@@ -273,13 +286,15 @@ class QuantWeight:
     scale_d and min_d [ceil(n/32), k / sup, 32] fp32 their factors (else, and
     min_d without minimums, empty)."""
 
-    __slots__ = ("fmt", "bits", "q", "scales", "mins", "scale_d", "min_d", "n", "k")
+    __slots__ = ("fmt", "bits", "q", "scales", "mins", "scale_d", "min_d", "grid", "n", "k")
 
     def __init__(self, fmt: str, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 n: int, k: int, scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None):
+                 n: int, k: int, scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None,
+                 grid: torch.Tensor | None = None):
         self.fmt, self.bits, self.q, self.scales, self.mins, self.n, self.k = fmt, bits, q, scales, mins, n, k
         self.scale_d = scale_d if scale_d is not None else torch.empty(0)
         self.min_d = min_d if min_d is not None else torch.empty(0)
+        self.grid = grid if grid is not None else torch.empty(0, dtype=torch.int8)
 
     @classmethod
     def pack(cls, rows: QuantRows) -> QuantWeight:
@@ -291,7 +306,7 @@ class QuantWeight:
         blocks = -(-n // BLOCK)
         pad = blocks * BLOCK - n
         codes, mins = rows.codes, rows.mins
-        if mins is None:  # signed bytes (nibbles) -> unsigned, the minimum -128 (-8) x scale implied
+        if mins is None and rows.grid is None:  # signed bytes (nibbles) -> unsigned, the minimum -128 (-8) x scale
             codes = (codes.to(torch.int16) + (128 if rows.bits == 8 else 8)).to(torch.uint8)
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad))  # [blocks * 32, k]
         fifth = None
@@ -312,7 +327,7 @@ class QuantWeight:
             return F.pad(t, (0, 0, 0, pad)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
         scales = by_block(rows.scales)
         return cls(rows.fmt, rows.bits, q, scales, scales.new_empty(0) if mins is None else by_block(mins), n, k,
-                   *(None if t is None else by_block(t) for t in (rows.scale_d, rows.min_d)))
+                   *(None if t is None else by_block(t) for t in (rows.scale_d, rows.min_d)), grid=rows.grid)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -348,6 +363,8 @@ class QuantWeight:
                 v = f[blk, :, col].repeat_interleave(v.shape[1] // f.shape[1], dim=1) * v
             return v
         d = values(self.scales, self.scale_d)
+        if self.grid.numel():  # indices -> the values they stand for, as gguf dequantizes them
+            return self.grid[codes.long()].float() * d.repeat_interleave(group, dim=1)
         m = values(self.mins, self.min_d) if self.mins.numel() else d * -(128 if self.bits == 8 else 8)
         return torch.addcmul(m.repeat_interleave(group, dim=1), codes, d.repeat_interleave(group, dim=1))
 
@@ -355,11 +372,11 @@ class QuantWeight:
         return self.rows(torch.arange(self.n))
 
     def tensors(self) -> list[torch.Tensor]:
-        """(codes, scales, mins, scale_d, min_d) as the native kernels take them."""
-        return [self.q, self.scales, self.mins, self.scale_d, self.min_d]
+        """(codes, scales, mins, scale_d, min_d, grid) as the native kernels take them."""
+        return [self.q, self.scales, self.mins, self.scale_d, self.min_d, self.grid]
 
-    def with_tensors(self, q, scales, mins, scale_d, min_d) -> QuantWeight:
-        return QuantWeight(self.fmt, self.bits, q, scales, mins, self.n, self.k, scale_d, min_d)
+    def with_tensors(self, q, scales, mins, scale_d, min_d, grid) -> QuantWeight:
+        return QuantWeight(self.fmt, self.bits, q, scales, mins, self.n, self.k, scale_d, min_d, grid)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> [...] float16
@@ -413,7 +430,7 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
             return QuantRows("q4_0", 4, t(_nibbles(raw[..., 2:]).astype(np.int8) - 8), d)
         return QuantRows("q4_1", 4, t(_nibbles(raw[..., 4:]), np.int8), d, t(_f16(raw[..., 2:4])))
     if type_name == "IQ4_NL":  # d, 16 bytes of indices (k j low nibble of byte j, k 16 + j high)
-        return QuantRows("iq4_nl", 8, t(IQ4_VALUES[_nibbles(raw[..., 2:])]), t(_f16(raw[..., :2])))
+        return QuantRows("iq4_nl", 4, t(_nibbles(raw[..., 2:]), np.int8), t(_f16(raw[..., :2])), grid=IQ4_GRID)
     if type_name == "IQ4_XS":  # d, 2 bytes of the scales' top 2 bits (sub-block i: bits 2i, 2i + 1), 4 bytes
         # of their low 4 bits (sub-block 2i: low nibble of byte i, 2i + 1 high), 8 runs of 16 bytes of indices
         d = _f16(raw[..., :2]).astype(np.float32)
@@ -421,7 +438,7 @@ def gguf_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], what: st
         low = np.stack([raw[..., 4:8] & 15, raw[..., 4:8] >> 4], axis=-1).reshape(n, k // per, 8)
         sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32
         idx = _nibbles(raw[..., 8:].reshape(n, k // per, 8, 16))
-        return QuantRows("iq4_xs", 8, t(IQ4_VALUES[idx]), t(sc), None, t(d))
+        return QuantRows("iq4_xs", 4, t(idx, np.int8), t(sc), None, t(d), grid=IQ4_GRID)
     if type_name in ("Q2_K", "Q3_K"):  # 2-bit codes in 64 bytes: k 128 i + 32 s + j in bits 2s, 2s + 1 of byte 32 i + j
         lo_at = 16 if type_name == "Q2_K" else 32
         low = (raw[..., lo_at:lo_at + 64].reshape(n, k // per, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3

@@ -34,11 +34,11 @@ struct PackedMat {  // bf16, packed (matmul_bf16.cpp): the bf16 model
   }
 };
 struct QuantMat {  // quantized (quant.h), fp32 activations: the quantized model
-  torch::Tensor q, scales, mins, scale_d, min_d;
+  torch::Tensor q, scales, mins, scale_d, min_d, grid;
   int64_t bits = 0;
   QuantMatrix mat{};
   void check(int64_t n_, int64_t k_, const char* what) {
-    mat = quant_matrix(q, scales, mins, scale_d, min_d, n_, k_, bits, what);
+    mat = quant_matrix(q, scales, mins, scale_d, min_d, n_, k_, bits, what, grid);
   }
   void operator()(const float* x, float* y, int64_t M, int threads) const { matmul_quant(x, mat, y, M, threads); }
 };
@@ -174,7 +174,7 @@ Bf16Decoder* make_bf16_decoder(const std::vector<std::vector<torch::Tensor>>& la
 }
 
 // layers: per layer [in_norm, post_norm, qkv_b, q_norm, k_norm] (fp32; empty where absent), then
-// (codes, scales, mins, scale_d, min_d) of qkv_w, o_w, gate_up_w and down_w (engine/quant.py
+// (codes, scales, mins, scale_d, min_d, grid) of qkv_w, o_w, gate_up_w and down_w (engine/quant.py
 // QuantWeight.tensors);
 // bits: per layer the four matrices' code widths.
 QuantDecoder* make_quant_decoder(const std::vector<std::vector<torch::Tensor>>& layers,
@@ -185,10 +185,10 @@ QuantDecoder* make_quant_decoder(const std::vector<std::vector<torch::Tensor>>& 
   std::vector<QuantDecoder::Layer> ls;
   for (size_t li = 0; li < layers.size(); ++li) {
     const auto& l = layers[li];
-    TORCH_CHECK(l.size() == 25 && bits[li].size() == 4, "QuantFusedDecoder: 25 tensors and 4 widths per layer");
+    TORCH_CHECK(l.size() == 29 && bits[li].size() == 4, "QuantFusedDecoder: 29 tensors and 4 widths per layer");
     auto mat = [&](int i) {
-      const size_t a = 5 + 5 * i;
-      return QuantMat{l[a], l[a + 1], l[a + 2], l[a + 3], l[a + 4], bits[li][i]};
+      const size_t a = 5 + 6 * i;
+      return QuantMat{l[a], l[a + 1], l[a + 2], l[a + 3], l[a + 4], l[a + 5], bits[li][i]};
     };
     ls.push_back({l[0], l[1], opt(l[2]), opt(l[3]), opt(l[4]), mat(0), mat(1), mat(2), mat(3)});
   }
@@ -210,11 +210,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& lens, double scale, int64_t threads);
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                            const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads,
-                           const c10::optional<torch::Tensor>& scale_d, const c10::optional<torch::Tensor>& min_d);
+                           const c10::optional<torch::Tensor>& scale_d, const c10::optional<torch::Tensor>& min_d,
+                           const c10::optional<torch::Tensor>& grid);
 
 torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& mins,
                          const torch::Tensor& ids, int64_t n, int64_t bits, const c10::optional<torch::Tensor>& scale_d,
-                         const c10::optional<torch::Tensor>& min_d);
+                         const c10::optional<torch::Tensor>& min_d, const c10::optional<torch::Tensor>& grid);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -229,11 +230,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, py::arg("qk"), py::arg("cos"), py::arg("sin"), py::arg("positions"), t, release());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"), py::arg("tables"),
         py::arg("lens"), py::arg("scale"), t, release());
-  // scale_d, min_d: the factors of int8 scale and minimum codes (engine/quant.py QuantWeight)
+  // scale_d, min_d: the factors of int8 scale and minimum codes; grid: the values 4-bit indices stand
+  // for (engine/quant.py QuantWeight)
   m.def("linear_quant", &linear_quant, py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("n"),
-        py::arg("bits"), t, py::arg("scale_d") = py::none(), py::arg("min_d") = py::none(), release());
+        py::arg("bits"), t, py::arg("scale_d") = py::none(), py::arg("min_d") = py::none(),
+        py::arg("grid") = py::none(), release());
   m.def("quant_rows", &quant_rows, py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("ids"), py::arg("n"),
-        py::arg("bits"), py::arg("scale_d") = py::none(), py::arg("min_d") = py::none(), release());
+        py::arg("bits"), py::arg("scale_d") = py::none(), py::arg("min_d") = py::none(), py::arg("grid") = py::none(),
+        release());
   py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
       .def(py::init(&kvrelay::make_bf16_decoder))
       .def("forward", &kvrelay::Bf16Decoder::forward, release());

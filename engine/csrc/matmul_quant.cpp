@@ -77,7 +77,7 @@ template <int BITS>
 constexpr int kRows = 3;  // of 32 zmm: 18 sums, 6 totals, 2 words, 2 code planes, a digit
 #else
 template <int BITS>
-constexpr int kRows = BITS == 8 ? 1 : 2;  // of 16 ymm: 12 sums (8-bit codes: 6, and their pair sums)
+constexpr int kRows = BITS == 8 || BITS == kGridBits ? 1 : 2;  // of 16 ymm: 12 sums (bytes: 6, and their pair sums)
 #endif
 
 // A block of a row of x, beside its digits: 2^-E, sum of X * 2^-E, and each digit's sum over
@@ -202,13 +202,16 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   static_assert(H == 1 || (H == 2 && BITS != 5), "groups of 16 k are for 8- and 4-bit codes");
   static_assert(MINS || BITS != 5, "5-bit codes have minimums");
   constexpr bool kOffset = !MINS;                    // signed codes held + kOff, the minimum -kOff scale
-  constexpr int32_t kOff = BITS == 8 ? 128 : 8;
+  constexpr bool kBytes = BITS == 8 || BITS == kGridBits;  // codes (or grid values) read as bytes
+  constexpr int32_t kOff = kBytes ? 128 : 8;
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
   const int64_t sups = SF == kScaleCoded ? K / w.sup : 1, per_sup = SF == kScaleCoded ? w.sup / w.group : 1;
   const int64_t row_words = BITS == 5 ? K / 8 + K / 32 : K / P;  // words of a column per block-row
   const int32_t* qw = w.q + b * row_words * kPackedCols + h;
   const int32_t* qh = qw + (K / 8) * kPackedCols;  // BITS 5: the fifth bits, a word per 32 k
+  I grid_table;
+  if constexpr (BITS == kGridBits) grid_table = IVec::grid(w.grid);
   V tot[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR * NV; ++i) tot[i / NV][i % NV] = Vec::zero();
@@ -251,8 +254,13 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
             flo[c] = IVec::template shr_by<1>(flo[c]), fhi[c] = IVec::template shr_by<1>(fhi[c]);
           }
         }
-        dot_plane<MR, NV>(acc, lo, xd, stride, 2 * wi);
-        dot_plane<MR, NV>(acc, hi, xd, stride, 2 * wi + 1);
+        if constexpr (BITS == kGridBits) {  // indices -> their values + 128
+#pragma GCC unroll 4
+          for (int c = 0; c < NV; ++c)
+            lo[c] = IVec::lookup(grid_table, lo[c]), hi[c] = IVec::lookup(grid_table, hi[c]);
+        }
+        dot_plane<MR, NV, BITS == kGridBits>(acc, lo, xd, stride, 2 * wi);
+        dot_plane<MR, NV, BITS == kGridBits>(acc, hi, xd, stride, 2 * wi + 1);
       }
     }
     if (H == 1) qw += (kWords - nw) * kPackedCols;
@@ -269,10 +277,10 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
         I s[kDigits];
 #pragma GCC unroll 3
         for (int j = 0; j < kDigits; ++j) {
-          if constexpr (kOffset)  // (8-bit codes' sums are 32-bit already)
-            s[j] = IVec::sub(BITS == 8 ? acc[m][j][c] : IVec::finish(acc[m][j][c]),
+          if constexpr (kOffset)  // (bytes' sums are 32-bit already)
+            s[j] = IVec::sub(kBytes ? acc[m][j][c] : IVec::finish(acc[m][j][c]),
                              IVec::set1(kOff * (H == 2 ? xm.dsum[hf][j] : xm.digit_sum(j))));
-          else if constexpr (BITS == 8)
+          else if constexpr (kBytes)
             s[j] = acc[m][j][c];
           else
             s[j] = IVec::finish(acc[m][j][c]);
@@ -338,7 +346,14 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
   if (M <= 0) return;
   const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
   constexpr int F32 = kScaleF32, F16 = kScaleF16, CODED = kScaleCoded;
-  if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
+  if (w.bits == kGridBits) {  // IQ4_NL (fp16 scales), IQ4_XS (scale codes; multiplied out: fp32)
+    if (w.form == F16)
+      matmul_fmt<kGridBits, F16, 1, false>(x, w, y, M, threads);
+    else if (w.form == CODED)
+      matmul_fmt<kGridBits, CODED, 1, false>(x, w, y, M, threads);
+    else
+      matmul_fmt<kGridBits, F32, 1, false>(x, w, y, M, threads);
+  } else if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
     if (w.bits == 4 && !w.mins)
       matmul_fmt<4, CODED, 2, false>(x, w, y, M, threads);  // Q3_K: signed nibbles + 8, scale codes per 16 k
     else if (w.bits == 4 && g16)
@@ -386,7 +401,7 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
 
 QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                          const at::Tensor& scale_d, const at::Tensor& min_d, int64_t n, int64_t k, int64_t bits,
-                         const char* what) {
+                         const char* what, const at::Tensor& grid) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, what, ": bits must be 4, 5 or 8, got ", bits);
   // words of a column per k: 5-bit codes take a word per 8 k (their low bits) and one per 32 (the fifth)
   const int64_t per = bits == 8 ? 4 : 8, blocks = (n + kPackedCols - 1) / kPackedCols;
@@ -410,7 +425,8 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
   // 8- and 4-bit codes without minimums (an empty tensor): signed, held + 128 or + 8; signed nibbles
   // are read with fp16 scales per 32 k (Q4_0) or scale codes per 16 k (Q3_K; multiplied out: fp32)
   const bool no_mins = bits != 5 && mins.defined() && mins.numel() == 0;
-  TORCH_CHECK(!no_mins || bits == 8 || (f16 && group == 32) || (!f16 && group == 16), what,
+  const bool gridded = grid.defined() && grid.numel() > 0;  // (its own checks below)
+  TORCH_CHECK(!no_mins || bits == 8 || gridded || (f16 && group == 32) || (!f16 && group == 16), what,
               ": 4-bit codes without minimums are read with fp16 scales per 32 k or fp32 or coded scales per 16 k, "
               "not ", scales.scalar_type(), " scales per ", group, " k");
   TORCH_CHECK(no_mins || (mins.defined() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
@@ -436,6 +452,10 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
     TORCH_CHECK((!scale_d.defined() || scale_d.numel() == 0) && (!min_d.defined() || min_d.numel() == 0), what,
                 ": scale factors are for int8 scale codes, not ", scales.scalar_type(), " scales");
   }
+  // a grid: 4-bit indices into 16 signed byte values, without minimums, per 32 k or more
+  TORCH_CHECK(!gridded || (grid.scalar_type() == at::kChar && grid.is_contiguous() && grid.numel() == 16 && bits == 4 &&
+                           no_mins && group % 32 == 0),
+              what, ": a grid must be 16 int8 values, for 4-bit indices without minimums and scales per 32 k or more");
   return {q.data_ptr<int32_t>(),
           scales.data_ptr(),
           no_mins ? nullptr : mins.data_ptr(),
@@ -445,8 +465,9 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
           k,
           group,
           sup,
-          static_cast<int>(bits),
-          coded ? kScaleCoded : f16 ? kScaleF16 : kScaleF32};
+          gridded ? kGridBits : static_cast<int>(bits),
+          coded ? kScaleCoded : f16 ? kScaleF16 : kScaleF32,
+          gridded ? grid.data_ptr<int8_t>() : nullptr};
 }
 
 }  // namespace kvrelay
@@ -455,10 +476,12 @@ QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at
 // threads <= 0: torch's intra-op thread count.
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                            const torch::Tensor& mins, int64_t n, int64_t bits, int64_t threads,
-                           const c10::optional<torch::Tensor>& scale_d, const c10::optional<torch::Tensor>& min_d) {
+                           const c10::optional<torch::Tensor>& scale_d, const c10::optional<torch::Tensor>& min_d,
+                           const c10::optional<torch::Tensor>& grid) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_quant: x must be [M, K] fp32");
   const auto w = kvrelay::quant_matrix(q, scales, mins, scale_d.value_or(torch::Tensor()),
-                                       min_d.value_or(torch::Tensor()), n, x.size(1), bits, "linear_quant");
+                                       min_d.value_or(torch::Tensor()), n, x.size(1), bits, "linear_quant",
+                                       grid.value_or(torch::Tensor()));
   auto xc = x.contiguous();
   auto y = torch::empty({xc.size(0), n}, xc.options());
   kvrelay::matmul_quant(xc.data_ptr<float>(), w, y.data_ptr<float>(), xc.size(0),
@@ -472,10 +495,11 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& q, const
 // formats the product is exact anyway).
 torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& mins,
                          const torch::Tensor& ids, int64_t n, int64_t bits, const c10::optional<torch::Tensor>& scale_d,
-                         const c10::optional<torch::Tensor>& min_d) {
+                         const c10::optional<torch::Tensor>& min_d, const c10::optional<torch::Tensor>& grid) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids must be a 1-D int64 tensor");
   const auto w = kvrelay::quant_matrix(q, scales, mins, scale_d.value_or(torch::Tensor()),
-                                       min_d.value_or(torch::Tensor()), n, 0, bits, "quant_rows");
+                                       min_d.value_or(torch::Tensor()), n, 0, bits, "quant_rows",
+                                       grid.value_or(torch::Tensor()));
   const auto idc = ids.contiguous();
   const int64_t T = idc.size(0), K = w.k, per = w.bits == 8 ? 4 : 8, G = w.group, groups = K / G;
   const int64_t* id = idc.data_ptr<int64_t>();
@@ -512,7 +536,7 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
             const int64_t at5 = j < 4 ? 8 * j + 4 + wi : 8 * (j - 4) + wi;
             code |= ((static_cast<uint32_t>(qh[k / 32 * kvrelay::kPackedCols]) >> at5) & 1u) << 4;
           }
-          row[k + j] = std::fma(static_cast<float>(code), d, mn);
+          row[k + j] = w.grid ? static_cast<float>(w.grid[code]) * d : std::fma(static_cast<float>(code), d, mn);
         }
       }
     }

@@ -42,6 +42,10 @@ namespace kvrelay {
 // How a matrix's scales and minimums are held.
 enum ScaleForm : int { kScaleF32 = 0, kScaleF16 = 1, kScaleCoded = 2 };
 
+// QuantMatrix::bits of 4-bit indices into a grid of 16 signed byte values (IQ4_NL, IQ4_XS): packed
+// as nibbles, looked up in registers into the values + 128, then read as signed bytes are.
+constexpr int kGridBits = 6;
+
 struct QuantMatrix {
   const int32_t* q;
   const void* scales;
@@ -49,8 +53,9 @@ struct QuantMatrix {
   const float* scale_d;  // kScaleCoded: the factors of the scale codes, per sup k (else null)
   const float* min_d;    // kScaleCoded with mins: the factors of the minimum codes
   int64_t n, k, group, sup;
-  int bits;              // 8: bytes, 4: nibbles, 5: nibbles and a plane of fifth bits
+  int bits;              // 8: bytes, 4: nibbles, 5: nibbles and a plane of fifth bits, kGridBits
   ScaleForm form;
+  const int8_t* grid;    // kGridBits: the 16 values the nibbles index (else null)
 };
 
 // y[M, n] = x[M, k] @ W^T in fp32, W quantized; rows of x and y contiguous; any M.
@@ -67,7 +72,7 @@ void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int
 // `what` names the caller. k = 0: any k (taken from q), else q must hold k.
 QuantMatrix quant_matrix(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                          const at::Tensor& scale_d, const at::Tensor& min_d, int64_t n, int64_t k, int64_t bits,
-                         const char* what);
+                         const char* what, const at::Tensor& grid = at::Tensor());
 
 // Integer dot products of unsigned 8-bit codes with signed 8-bit digits of
 // the activations (matmul_quant.cpp), for all lanes at once: each 32-bit lane
@@ -113,6 +118,11 @@ struct IVec {
   static __m512 load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static I grid(const int8_t* g) {  // the 16 values + 128, as unsigned bytes in every 128-bit lane
+    return _mm512_broadcast_i32x4(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)),
+                                               _mm_set1_epi8(static_cast<char>(-128))));
+  }
+  static I lookup(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }  // idx: bytes 0..15
   static __m512 load_i8(const int8_t* p) {  // 16 signed bytes as fp32
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -150,6 +160,11 @@ struct IVec {
   static __m256 load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static I grid(const int8_t* g) {  // the 16 values + 128, as unsigned bytes in both 128-bit lanes
+    return _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)),
+                                                    _mm_set1_epi8(static_cast<char>(-128))));
+  }
+  static I lookup(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }  // idx: bytes 0..15
   static __m256 load_i8(const int8_t* p) {  // 8 signed bytes as fp32
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }

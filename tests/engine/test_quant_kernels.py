@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import ISA_NAMES, QuantOps, cpu_isas, load_native_ops
-from engine.quant import QuantError, QuantRows, QuantWeight, gguf_rows, held_five_bit, quantize_int8
+from engine.quant import IQ4_GRID, QuantError, QuantRows, QuantWeight, gguf_rows, held_five_bit, quantize_int8
 from tests.conftest import require_isa
 
 # q8_0, q6_k, int8: signed bytes; q5_0, q5_1, q5_k: 5-bit codes (nibbles and a plane of fifth bits)
@@ -20,13 +20,15 @@ from tests.conftest import require_isa
 # minimums per 16 k; mixed4: nibbles; mixed5: 5-bit codes; mixed6: signed bytes per 16 k); q6_k,
 # mixed and mixed6 scaled per 16 k
 FORMATS = ("q8_0", "q4_1", "q4_0", "int8", "q2_k", "q3_k", "q4_k", "q5_0", "q5_1", "q5_k", "q5_k_bytes", "q6_k",
-           "mixed", "mixed2", "mixed4", "mixed5", "mixed6", "mixedk", "mixedk2", "mixedk4", "mixedk5")
+           "iq4_nl", "iq4_xs", "mixed", "mixed2", "mixed4", "mixed5", "mixed6", "mixedk", "mixedk2", "mixedk4",
+           "mixedk5", "mixediq")
 MIXES = {"mixed": ("q4_k", "q6_k", "q8_0"),
          "mixed2": ("q2_k", "q4_1", "q4_0"),  # nibbles with fp32 scales per 16 k
          "mixedk": ("q4_k", "q4_k", "q6_k"),  # q|k|v of a llama.cpp Q4_K_M layer: coded, bytes per 16 k
          "mixedk2": ("q2_k", "q2_k", "q3_k"),  # q|k|v of a llama.cpp Q2_K layer: coded nibbles per 16 k
          "mixedk4": ("q2_k", "q4_k", "q2_k"),  # coded nibbles per 16 k
          "mixedk5": ("q4_k", "q5_k", "q4_k"),  # coded, 5-bit codes
+         "mixediq": ("iq4_xs", "q4_k", "iq4_xs"),  # IQ4_XS's values as bytes, beside Q4_K: coded bytes
          "mixed4": ("q4_k", "q4_1", "q4_0"), "mixed5": ("q5_k", "q5_1", "q5_0"), "mixed6": ("q6_k", "q8_0", "q6_k")}
 
 
@@ -50,14 +52,21 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
         return QuantRows.cat([p for p in parts if p.shape[0]], "t")
     if fmt == "q5_k_bytes":
         return held_five_bit(_rows("q5_k", n, k, seed))
+    if fmt == "iq4_nl":  # 4-bit indices into IQ4's grid, an fp16 scale per 32
+        idx = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        return QuantRows(fmt, 4, idx, (torch.rand(n, k // 32, generator=g) * 0.002).half(), grid=IQ4_GRID)
     group = 16 if fmt in ("q2_k", "q3_k", "q6_k") else 32
-    if fmt.endswith("_k"):  # coded: 4-, 6- or 8-bit scale (and minimum) codes, an fp16 factor per super-block
+    if fmt.endswith("_k") or fmt == "iq4_xs":  # coded: 4-, 6- or 8-bit scale (and minimum) codes, an fp16 factor
         sup = next(s for s in (256, 128, 64, 32) if k % s == 0)  # (a GGUF's is 256)
         d = (torch.rand(n, k // sup, generator=g) * 0.002 + 1e-4).half().float()
         dmin = (torch.rand(n, k // sup, generator=g) * 0.002).half().float()
         lo, hi = {"q6_k": (-128, 128), "q3_k": (-32, 32), "q2_k": (0, 16)}.get(fmt, (0, 64))
         sc = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8)
         mn = torch.randint(0, hi, (n, k // group), generator=g, dtype=torch.int8)
+        if fmt == "iq4_xs":  # indices, a 6-bit signed scale code per 32
+            idx = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+            return QuantRows(fmt, 4, idx, torch.randint(-32, 32, (n, k // 32), generator=g, dtype=torch.int8), None,
+                             d, grid=IQ4_GRID)
         if fmt in ("q3_k", "q6_k"):  # signed codes: nibbles, bytes
             c, bits = (4, 4) if fmt == "q3_k" else (32, 8)
             return QuantRows(fmt, bits, torch.randint(-c, c, (n, k), generator=g, dtype=torch.int8), sc, None, d)
@@ -81,10 +90,12 @@ def _ref(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
     return F.linear(x.double(), w.dequantize().double())
 
 
-def _close(got: torch.Tensor, ref: torch.Tensor, k: int):
-    """fp32 sums over k of exact products: the error grows like sqrt(k) ulps of the terms."""
+def _close(got: torch.Tensor, ref: torch.Tensor, k: int, scale: float | None = None):
+    """fp32 sums over k of exact products: the error grows like sqrt(k) ulps of the terms, whose
+    size `scale` stands for (by default the largest output: pass a whole batch's where `ref` is a
+    few of its rows, whose own outputs may have cancelled)."""
     assert got.dtype == torch.float32 and got.shape == ref.shape
-    tol = 1e-6 * k ** 0.5 * ref.abs().max().item() + 1e-6
+    tol = 1e-6 * k ** 0.5 * (ref.abs().max().item() if scale is None else scale) + 1e-6
     err = (got.double() - ref).abs().max().item()
     assert err <= tol, (err, tol)
 
@@ -136,8 +147,9 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
         assert torch.equal(rows.dequantize(), _gguf_dequantized(raw, qtype, n, k))
         assert torch.equal(QuantWeight.pack(rows).dequantize(), _gguf_dequantized(raw, qtype, n, k))
     assert rows.coded == (qtype.name.endswith("_K") or qtype.name == "IQ4_XS")  # scale codes kept as stored
-    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
+    assert rows.bits == (4 if qtype.name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS")
                          else 5 if qtype.name.startswith("Q5") else 8)
+    assert (rows.grid is not None) == qtype.name.startswith("IQ4")
 
 
 def test_an_unsupported_gguf_block_type_is_named():
@@ -164,6 +176,8 @@ def test_an_unsupported_gguf_block_type_is_named():
     (("q3_k", "q6_k"), (8, 16, torch.int8, False, 64)),
     (("q4_0", "q3_k"), (4, 16, torch.float32, False)),
     (("q2_k", "q4_1"), (4, 16, torch.float32, False)),
+    (("iq4_xs", "q4_k"), (8, 32, torch.int8, False, 64)),  # IQ4_XS's values as bytes beside Q4_K
+    (("iq4_nl", "q8_0"), (8, 32, torch.float16, True)),  # IQ4_NL's values as bytes: Q8_0's form
     (("q6_k", "q6_k"), (8, 16, torch.int8, True, 64)),
 ])
 def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form):
@@ -181,9 +195,10 @@ def test_fused_parts_in_several_formats_keep_their_values(quant_ops, fmts, form)
 
 # bits a weight each coded form reads (codes, scale and minimum codes, fp32 factors per 256 k)
 CODED_BITS = {"q4_k": 4 + 16 / 32 + 64 / 256, "q5_k": 5 + 16 / 32 + 64 / 256, "q5_k_bytes": 8 + 16 / 32 + 64 / 256,
-              "q6_k": 8 + 8 / 16 + 32 / 256, "q3_k": 4 + 8 / 16 + 32 / 256, "q2_k": 4 + 16 / 16 + 64 / 256}
+              "q6_k": 8 + 8 / 16 + 32 / 256, "q3_k": 4 + 8 / 16 + 32 / 256, "q2_k": 4 + 16 / 16 + 64 / 256,
+              "iq4_xs": 4 + 8 / 32 + 32 / 256}
 PLAIN_BITS = {"q4_k": 4 + 64 / 32, "q5_k": 5 + 64 / 32, "q5_k_bytes": 8 + 64 / 32, "q6_k": 8 + 32 / 16,  # fp32
-              "q3_k": 4 + 32 / 16, "q2_k": 4 + 64 / 16}
+              "q3_k": 4 + 32 / 16, "q2_k": 4 + 64 / 16, "iq4_xs": 4 + 32 / 32}
 
 
 @pytest.mark.parametrize("fmt", CODED_BITS)
@@ -205,8 +220,8 @@ def test_coded_scales_compute_what_their_products_do(quant_ops, fmt):
     ids = torch.tensor([0, 31, 99, 64])
     assert torch.equal(quant_ops.embedding(ids, pc), pf.rows(ids)) and torch.equal(pc.rows(ids), pf.rows(ids))
     weights = 128 * 512  # 100 rows padded to 4 blocks of 32
-    assert pc.nbytes * 8 / weights == CODED_BITS[fmt]
-    assert pf.nbytes * 8 / weights == PLAIN_BITS[fmt]
+    assert (pc.nbytes - pc.grid.nbytes) * 8 / weights == CODED_BITS[fmt]  # (an IQ4 grid: 16 bytes a matrix)
+    assert (pf.nbytes - pf.grid.nbytes) * 8 / weights == PLAIN_BITS[fmt]
 
 
 def test_coded_scales_without_their_factors_are_refused(quant_ops):
@@ -242,7 +257,7 @@ def test_linear_quant_every_row_count(quant_ops, fmt, n, k):
     xs = torch.randn(20, k, generator=torch.Generator().manual_seed(k))
     ref = _ref(xs, w)
     for m in range(1, 21):
-        _close(quant_ops.linear(xs[:m], p), ref[:m], k)
+        _close(quant_ops.linear(xs[:m], p), ref[:m], k, scale=ref.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -217,7 +217,7 @@ LOW_BIT_LAYOUTS = {
                 "mlp": "Q3_K"}, [("q3_k+q5_k", 8), ("q4_k", 4), ("q3_k", 4), ("q5_k", 8)]),
     "q2_k": ({"self_attn.v_proj": "Q3_K", "self_attn.o_proj": "Q4_K", "self_attn": "Q2_K", "mlp.down": "Q3_K",
               "mlp": "Q2_K"}, [("q2_k+q3_k", 4), ("q4_k", 4), ("q2_k", 4), ("q3_k", 4)]),
-    "iq4_xs": ({"mlp.down": "IQ4_NL", "": "IQ4_XS"}, [("iq4_xs", 8), ("iq4_xs", 8), ("iq4_xs", 8), ("iq4_nl", 8)]),
+    "iq4_xs": ({"mlp.down": "IQ4_NL", "": "IQ4_XS"}, [("iq4_xs", 4), ("iq4_xs", 4), ("iq4_xs", 4), ("iq4_nl", 4)]),
 }
 
 
@@ -226,7 +226,7 @@ def test_a_tiny_gguf_in_llama_cpp_low_bit_layouts_answers_like_its_fp32_conversi
     """llama.cpp's Q3_K_M (Q3_K q, k, gate and up beside Q5_K v and down, Q4_K o), Q2_K (Q2_K
     beside Q3_K v and down, a Q4_K o) and IQ4_XS (with an IQ4_NL down projection) layouts: Q2_K
     held as nibbles with its 4-bit scale and minimum codes per 16 k, Q3_K as signed nibbles with
-    its 6-bit scale codes, the i-quants as the signed bytes their indices stand for, q|k|v fused
+    its 6-bit scale codes, the i-quants as nibbles indexing their grid, q|k|v fused
     keeping the scale codes; the same greedy tokens as the dequantized fp32 model."""
     import gguf
 
