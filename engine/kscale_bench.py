@@ -1,6 +1,7 @@
 """GGUF weights as held now against as held before, side by side: k-quant scales as stored (4-,
 6- or 8-bit codes and an fp32 factor per 256 k) against multiplied out to fp32 per 16 or 32 k,
-and Q4_0 as signed nibbles against unsigned nibbles with an fp16 minimum (-8 x scale) stored.
+Q4_0 as signed nibbles against unsigned nibbles with an fp16 minimum (-8 x scale) stored, and
+IQ4_NL / IQ4_XS as 4-bit indices looked up in registers against the signed bytes they stand for.
 
     python -m engine.kscale_bench                      # every ISA path this CPU runs, 1 and 2 threads
     python -m engine.kscale_bench --rounds 5 --write
@@ -26,7 +27,7 @@ import sys
 import time
 
 SECTION = "## GGUF weights as held now and before: k-quant scale codes, signed nibbles"
-TYPES = ("Q4_K", "Q6_K", "Q4_K_M", "Q2_K", "Q3_K", "Q4_0")
+TYPES = ("Q4_K", "Q6_K", "Q4_K_M", "Q2_K", "Q3_K", "Q4_0", "IQ4_NL", "IQ4_XS")
 SHAPES = (("q|k|v", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
 
 
@@ -39,7 +40,8 @@ def random_rows(type_name: str, n: int, k: int, seed: int):
 
     per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = np.random.default_rng(seed).integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2], "Q4_0": [0]}.get(type_name, [0, 2])
+    at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2], "Q4_0": [0], "IQ4_NL": [0],
+          "IQ4_XS": [0]}.get(type_name, [0, 2])
     for i, v in zip(at, (0.004, 0.002)):  # fp16 d (and dmin): finite
         raw[..., i:i + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
     return gguf_rows(raw.reshape(n, -1), type_name, (n, k), f"random {type_name}")
@@ -60,11 +62,14 @@ def layer_rows(type_name: str, shapes) -> list:
 
 def held_before(rows):
     """`rows` as held before: k-quant scales multiplied out to fp32; Q4_0 as unsigned nibbles with
-    an fp16 minimum -8 x scale stored (Q4_1's form)."""
+    an fp16 minimum -8 x scale stored (Q4_1's form); IQ4 indices as the signed bytes they stand
+    for (the i-quants were refused before; this is the form they were first read in)."""
     from engine.quant import QuantRows
 
     if rows.fmt == "q4_0":
         return QuantRows("q4_0", 4, rows.codes + 8, rows.scales, -8 * rows.scales)
+    if rows.grid is not None:
+        return rows.valued()
     return rows.decoded()
 
 
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, as held now (k-quant scales "
             "as stored: 4-, 6- or 8-bit codes and fp32 factors per 256 k; Q4_0 as signed nibbles) and as held "
             "before (k-quant scales multiplied out to fp32, Q2_K and Q3_K being refused then; Q4_0 with an fp16 "
-            "minimum stored), side by side in "
+            "minimum stored; IQ4_NL and IQ4_XS, refused too, as the signed bytes their indices stand for), side by "
+            "side in "
             f"one process, interleaved rounds; the CPU runs {cpu_isa_text()}. Times are medians of "
             f"{args.rounds} rounds; \"of the wall\": the layer's bytes read at the bandwidth measured in the "
             f"same run.\n\n{body}\n{provenance(command)}\n")

@@ -348,7 +348,7 @@ def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, 
     """python -m engine.kscale_bench (shrunk): each type as held now and as held before gives the
     same bits, and each form reads what its layout says, in bits a weight: Q4_K 4.75 (before: 6),
     Q6_K 8.62 (10), a Q4_K_M layer (q|k|v fusing Q4_K with Q6_K) 6.31 (7.77), Q2_K 5.25 (8), Q3_K
-    4.62 (6), Q4_0 4.5 (5)."""
+    4.62 (6), Q4_0 4.5 (5), IQ4_NL 4.5 (8.5, as bytes), IQ4_XS 4.38 (8.38)."""
     import re
 
     from engine import benchmarks_md, kscale_bench
@@ -366,7 +366,7 @@ def test_kscale_bench_times_both_forms_of_the_same_weights(tmp_path, quant_isa, 
     # the k-quants' two forms are the same products in the same order; Q4_0's agree to fp32 rounding
     assert all((agree == "same bits") == (t != "Q4_0") for t, agree in rows), rows
     bits = {"Q4_K": ("6", "4.75"), "Q6_K": ("10", "8.62"), "Q4_K_M": ("7.77", "6.31"), "Q2_K": ("8", "5.25"),
-            "Q3_K": ("6", "4.62"), "Q4_0": ("5", "4.5")}
+            "Q3_K": ("6", "4.62"), "Q4_0": ("5", "4.5"), "IQ4_NL": ("8.5", "4.5"), "IQ4_XS": ("8.38", "4.38")}
     for t, (before, now) in bits.items():
         assert re.search(rf"\| {t}: MB a layer \| \| \| \| [\d.]+ \({before} bits a weight\) \| [\d.]+ \({now} bits\) \|",
                          text), (t, text)
