@@ -24,7 +24,7 @@ FORMS = ("widen", "keep")
 
 def load(path: Path, isa: str, form: str):
     from engine.llm import LLM
-    from engine.quant import FIVE_BIT_ENV
+    from engine.gguf_blocks import FIVE_BIT_ENV
 
     with mock.patch.dict(os.environ, {FIVE_BIT_ENV: form}):
         return LLM(str(path), dtype="float32", enable_prefix_caching=False, kernel_isa=isa, quantization="gguf")

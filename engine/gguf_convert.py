@@ -83,7 +83,7 @@ LAYER_TENSORS = {
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 EXPERTS_RE = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 # 2-D tensors that route rather than compute (a router, the shared expert's gate): float32 even
-# where quantization "gguf" keeps the matmul weights' blocks (engine.quant.read_gguf_rows)
+# where quantization "gguf" keeps the matmul weights' blocks (engine.gguf_blocks.read_gguf_rows)
 FP32_MATRICES = {"gate", "shared_expert_gate"}
 # Tensors HF's implementation has no place for: rope_freqs holds llama3 rope
 # scaling factors, which HF derives from config instead.

@@ -27,7 +27,7 @@ maps a file's tensor names onto those: Mixtral's original layout
 and the packed one transformers 5 writes with ``save_original_format=False``
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
 A GGUF file's stacked experts (``blk.N.ffn_{gate,up,down}_exps``) are split onto the same
-names by engine.gguf_convert (dequantized) or engine.quant.read_gguf_rows (quantization
+names by engine.gguf_convert (dequantized) or engine.gguf_blocks.read_gguf_rows (quantization
 "gguf": each expert's blocks kept, then computed on by the quantized kernels like a dense
 MLP's; the router stays fp32).
 """

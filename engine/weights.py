@@ -243,7 +243,7 @@ def load_checkpoint(folder: str | os.PathLike, dtype: torch.dtype,
     shapes = expected_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
     if quantization == "gguf":
-        from engine.quant import read_gguf_rows
+        from engine.gguf_blocks import read_gguf_rows
 
         _, read = read_gguf_rows(gguf_source(folder))
         tensors = {name: t if not isinstance(t, torch.Tensor) else t.to(dtype)

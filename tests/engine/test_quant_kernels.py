@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import ISA_NAMES, QuantOps, cpu_isas, load_native_ops
-from engine.quant import IQ4_GRID, QuantError, QuantRows, QuantWeight, gguf_rows, held_five_bit, quantize_int8
+from engine.gguf_blocks import IQ4_GRID, gguf_rows, held_five_bit
+from engine.quant import QuantError, QuantRows, QuantWeight, quantize_int8
 from tests.conftest import require_isa
 
 # q8_0, q6_k, int8: signed bytes; q5_0, q5_1, q5_k: 5-bit codes (nibbles and a plane of fifth bits)
