@@ -52,7 +52,8 @@ def _nibble_runs(q: np.ndarray) -> np.ndarray:  # codes [..., 8, 32] -> [..., 12
     return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:-3], 128)
 
 
-def _two_bit_runs(q: np.ndarray) -> np.ndarray:  # codes 0..3 [..., 256] -> [..., 64]: k 128 i + 32 s + j at bit 2 s of byte 32 i + j
+def _two_bit_runs(q: np.ndarray) -> np.ndarray:  # codes 0..3 [..., 256] -> [..., 64]
+    # (k 128 i + 32 s + j at bit 2 s of byte 32 i + j)
     q = q.reshape(*q.shape[:-1], 2, 4, 32).astype(np.uint8)
     return (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2).astype(np.uint8).reshape(*q.shape[:-3], 64)
 
@@ -69,23 +70,26 @@ def _signed_scales(g: np.ndarray, low: int, scale_max: int):
     return d, sc, q.astype(np.int8)
 
 
-def _iq4(x: np.ndarray):
-    """x [..., 32] -> per-32 signed steps [...] (the largest |x| lands on -127) and the nearest
-    IQ4 value's index [..., 32] for the steps as rounded by `scale`, a function of the steps."""
-    from engine.quant import IQ4_VALUES
+def _iq4_steps(x: np.ndarray) -> np.ndarray:
+    """x [..., 32] -> a signed step per 32 [...]: the largest |x| of each lands on -127."""
+    return -np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0] / 127
 
-    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    return -peak / 127, lambda scale: np.abs(
-        x[..., None] / np.where(scale != 0, scale, 1)[..., None, None] - IQ4_VALUES.astype(np.float32)).argmin(-1)
+
+def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """x [..., 32] and its rounded scale per 32 [...] -> the nearest IQ4 value's index [..., 32], uint8."""
+    from engine.gguf_blocks import IQ4_VALUES
+
+    v = x / np.where(scale != 0, scale, 1)[..., None]
+    return np.abs(v[..., None] - IQ4_VALUES.astype(np.float32)).argmin(-1).astype(np.uint8)
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
     """w float32 [n, k], k a multiple of 256 (of 32 for IQ4_NL) -> raw blocks uint8 [n, k / 256 * block bytes]."""
     n, k = w.shape
     if type_name == "IQ4_NL":  # d, 16 bytes of indices: k j in the low nibble of byte j, k 16 + j in its high
-        step, index = _iq4(w.astype(np.float32).reshape(n, k // 32, 32))
-        d = step.astype(np.float16).astype(np.float32)
-        i = index(d).astype(np.uint8)
+        x = w.astype(np.float32).reshape(n, k // 32, 32)
+        d = _iq4_steps(x).astype(np.float16).astype(np.float32)
+        i = _iq4_indices(x, d)
         return np.concatenate([_f16_bytes(d), i[..., :16] | (i[..., 16:] << 4)], axis=-1).reshape(n, -1)
     assert k % QK == 0, f"{type_name} needs rows of a multiple of {QK} weights, got {k}"
     x = w.astype(np.float32).reshape(n, k // QK, 8, 32)
@@ -111,10 +115,10 @@ def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
                  (hi2 << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2).astype(np.uint8),
                  _f16_bytes(d)]
     elif type_name == "IQ4_XS":  # d, the scales' top 2 bits, their low 4 bits, 8 runs of 16 bytes of indices
-        step, index = _iq4(x)  # [n, k / 256, 8]
+        step = _iq4_steps(x)  # [n, k / 256, 8]
         d = (np.abs(step).max(-1) / 31).astype(np.float16).astype(np.float32)
         ls = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), -32, 31).astype(np.int16) + 32  # 0..63
-        i = index(d[..., None] * (ls - 32)).astype(np.uint8)
+        i = _iq4_indices(x, d[..., None] * (ls - 32))
         high = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
         low = (ls & 15).astype(np.uint8)
         parts = [_f16_bytes(d), high[..., None].view(np.uint8), low[..., 0::2] | (low[..., 1::2] << 4),

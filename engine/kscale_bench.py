@@ -10,8 +10,8 @@ A decode step's matmuls for one layer of a Llama-3-8B-shaped model (q|k|v 6144 x
 4096, gate|up 28672 x 4096, down 4096 x 14336: 218M weights, far past any cache), all in one GGUF
 type, or (Q4_K_M) as llama.cpp's Q4_K_M lays out a layer whose v and down projections take
 Q6_K (q|k|v then fuses Q4_K q and k with a Q6_K v), run back to back for 1 and for 8 token rows.
-(Q2_K and Q3_K were refused before; their "before" is their scales multiplied out.) Both forms of the same weights are packed in
-one process and timed in interleaved rounds, each round's ratio taken within the round (these
+(Q2_K and Q3_K were refused before; their "before" is their scales multiplied out.) Both forms of
+the same weights are packed in one process and timed in interleaved rounds, each round's ratio taken within the round (these
 machines are shared and noisy). The codes are random bytes with finite super-block factors, so
 every bit of the packed scales is in play. The k-quants' two forms give the same bits (the same
 products, in the same order); Q4_0's differ in the last bits (signed nibbles drop 8 x the sum of x
@@ -36,7 +36,7 @@ def random_rows(type_name: str, n: int, k: int, seed: int):
     import gguf
     import numpy as np
 
-    from engine.quant import gguf_rows
+    from engine.gguf_blocks import gguf_rows
 
     per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = np.random.default_rng(seed).integers(0, 256, (n, k // per, size), dtype=np.uint8)

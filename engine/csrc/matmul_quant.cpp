@@ -203,7 +203,7 @@ KVRELAY_INLINE void tile_pass(const int32_t* digits, const XBlock* xb, int64_t s
   static_assert(MINS || BITS != 5, "5-bit codes have minimums");
   constexpr bool kOffset = !MINS;                    // signed codes held + kOff, the minimum -kOff scale
   constexpr bool kBytes = BITS == 8 || BITS == kGridBits;  // codes (or grid values) read as bytes
-  constexpr int32_t kOff = kBytes ? 128 : 8;
+  constexpr int32_t kOff = signed_offset(BITS);
   // blocks of k per group of scales (a multiple of 32, or the whole row; or H = 2: quant_matrix checks)
   const int64_t per_group = H == 2 ? 1 : groups == 1 ? blocks : w.group / kBlockK;
   const int64_t sups = SF == kScaleCoded ? K / w.sup : 1, per_sup = SF == kScaleCoded ? w.sup / w.group : 1;
@@ -525,7 +525,8 @@ torch::Tensor quant_rows(const torch::Tensor& q, const torch::Tensor& scales, co
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kvrelay::kPackedCols + c;
       const float d = scale(w.scales, w.scale_d, at, b, g, c);
-      const float mn = w.mins ? scale(w.mins, w.min_d, at, b, g, c) : (w.bits == 8 ? -128.f : -8.f) * d;  // (exact)
+      const float off = static_cast<float>(kvrelay::signed_offset(w.bits));
+      const float mn = w.mins ? scale(w.mins, w.min_d, at, b, g, c) : -off * d;  // (exact)
       for (int64_t k = g * G; k < (g + 1) * G; k += per) {
         const uint32_t word = static_cast<uint32_t>(qw[k / per * kvrelay::kPackedCols]);
         for (int64_t j = 0; j < per; ++j) {

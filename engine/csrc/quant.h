@@ -46,6 +46,10 @@ enum ScaleForm : int { kScaleF32 = 0, kScaleF16 = 1, kScaleCoded = 2 };
 // as nibbles, looked up in registers into the values + 128, then read as signed bytes are.
 constexpr int kGridBits = 6;
 
+// What signed codes without minimums are held + (the minimum is -that x scale): bytes (and grid
+// values) 128, nibbles 8 (engine/quant.py signed_offset).
+constexpr int32_t signed_offset(int bits) { return bits == 4 ? 8 : 128; }
+
 struct QuantMatrix {
   const int32_t* q;
   const void* scales;
