@@ -157,19 +157,13 @@ def read_gguf_rows(path: Path) -> tuple[dict, dict[str, torch.Tensor | QuantRows
     (norms, biases, a mixture of experts' routers) float32. The q/k rows are un-permuted
     as the fp32 conversion does; stacked experts [E, ...] become one QuantRows per expert
     (each expert's rows are contiguous blocks of the file)."""
-    import gguf
     from gguf.quants import dequantize
 
-    from engine.gguf_convert import (EXPERTS_RE, FP32_MATRICES, PERMUTED_QK_ARCHITECTURES, check_expert_tensors,
-                                     expert_tensor_name, gguf_config, hf_tensor_name, unpermute_qk)
+    from engine.gguf_convert import (EXPERTS_RE, FP32_MATRICES, PERMUTED_QK_ARCHITECTURES, expert_tensor_name,
+                                     hf_tensor_name, open_gguf, unpermute_qk)
     from engine.weights import CheckpointError
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
-    config = gguf_config(reader, path)
-    check_expert_tensors(reader, path, config)
+    reader, config = open_gguf(path)
     permuted = config["model_type"] in PERMUTED_QK_ARCHITECTURES
     heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
     out: dict[str, torch.Tensor | QuantRows] = {}

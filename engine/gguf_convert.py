@@ -125,8 +125,9 @@ def convert_gguf_cached(path: Path, cache_root: Path) -> Path:
     return final
 
 
-def convert_gguf(path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors (float32) and the tokenizer of GGUF `path` into `out`."""
+def open_gguf(path: Path):
+    """GGUF file `path`'s reader and its config.json dict, its expert tensors checked; a
+    CheckpointError naming the file where it cannot be read."""
     import gguf
 
     try:
@@ -135,6 +136,12 @@ def convert_gguf(path: Path, out: Path) -> None:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
     config = gguf_config(reader, path)
     check_expert_tensors(reader, path, config)
+    return reader, config
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors (float32) and the tokenizer of GGUF `path` into `out`."""
+    reader, config = open_gguf(path)
     tensors = gguf_tensors(reader, path, config)
 
     model_cfg = ModelConfig.from_hf_dict(config)
