@@ -81,6 +81,10 @@ async def _drive(server, rid, prompt, params, prefill="prefill-0", decode="decod
             elif isinstance(event, GenerateDelta):
                 ids.extend(event.token_ids)
                 if event.is_finished:
+                    if prefill and PrefillDone not in kinds:
+                        # The prefill replica reports between its passes: its
+                        # word may come after the decode replica's last token.
+                        kinds.append(type(await asyncio.wait_for(inbox.get(), 30)))
                     return ids, event.finish_reason, kinds
                 if stop_after is not None and len(ids) >= stop_after:
                     return ids, "stopped", kinds
