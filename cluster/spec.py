@@ -118,7 +118,7 @@ class StageSpec(Strict):
     quantization: Literal["none", "int8", "gguf"] = "none"
     # CPU replicas' native kernels: the best this CPU runs (auto), one instruction set by name (a
     # replica fails at start, naming it, where the CPU lacks it), or none (torch's own ops)
-    kernel_isa: Literal["auto", "avx512bf16", "avx2", "none"] = "auto"
+    kernel_isa: Literal["auto", "avx512bf16", "avx512", "avx2", "none"] = "auto"
     # a mixture of experts at tensor_parallel_size > 1: split the experts across the ranks
     # (attention stays tensor-parallel), which rank holds which, and how tokens meet their experts
     # (allreduce, or alltoall: a real dispatch, expert parallelism only; engine/parallel/moe.py says

@@ -104,7 +104,7 @@ class ReplicaStatus:
     num_prompt_tokens_computed: int = 0  # prompt positions the replica ran through the model since start
     num_kv_bytes_sent: int = 0  # prefill: KV bytes of its transfers that ended DONE, since start
     quantization: str = ""  # its weights' format: none, gguf, int8 ("" unknown: no report yet, an older server)
-    kernel_isa: str = ""  # its kernel ISA path: avx512bf16, avx2, or none (torch's ops)
+    kernel_isa: str = ""  # its kernel ISA path: avx512bf16, avx512, avx2, or none (torch's ops)
     pipeline_parallel_size: int = 1  # pipeline stages of the replica (ranks = tensor_parallel_size x this)
 
     @property

@@ -2,7 +2,7 @@
 
     python -m engine.bench                        # print the table
     python -m engine.bench --write                # also replace `## Engine` in BENCHMARKS.md
-    python -m engine.bench --isa avx512bf16,avx2  # each kernel ISA path, side by side, one run
+    python -m engine.bench --isa avx512bf16,avx512,avx2  # each kernel ISA path, side by side, one run
     python -m engine.bench --quantization none,gguf,int8 --isa avx512bf16,avx2
                                                   # every weight format on every path, one run
     python -m engine.bench --profile runs/prof    # only: torch.profiler over decode steps
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--isa", type=_isa_list, default=["auto"], metavar="ISA[,ISA...]",
                    help="CPU kernel ISA paths to run, comma-separated: auto (the best this CPU runs), "
-                        "avx512bf16, avx2, none (torch's ops); several run side by side")
+                        "avx512bf16, avx512, avx2, none (torch's ops); several run side by side")
     p.add_argument("--quantization", type=_quant_list, default=["none"], metavar="Q[,Q...]",
                    help="weight formats to run, comma-separated: none (--dtype), gguf (the GGUF's own "
                         "blocks), int8; each on every --isa path")

@@ -196,7 +196,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TP_BACKENDS = ("auto", "shm", "gloo", "nccl")
 # engine.kernels.KERNEL_ISAS (a test holds them equal; config imports no torch)
-KERNEL_ISAS = ("auto", "avx512bf16", "avx2", "none")
+KERNEL_ISAS = ("auto", "avx512bf16", "avx512", "avx2", "none")
 # engine.quant.QUANTIZATIONS (a test holds them equal)
 QUANTIZATIONS = ("none", "int8", "gguf")
 EXPERT_PLACEMENTS = ("contiguous", "round_robin")
@@ -233,7 +233,7 @@ class EngineConfig:
     tp_backend: str = "auto"
     tp_timeout_s: float = 60.0
     # CPU bf16: which native kernel build runs (engine/kernels.py): "auto", the best this
-    # CPU runs; "avx512bf16" or "avx2" (an error where the CPU lacks it); "none", torch's ops
+    # CPU runs; "avx512bf16", "avx512" or "avx2" (an error where the CPU lacks it); "none", torch's ops
     kernel_isa: str = "auto"
     # matmul weights kept quantized (engine/quant.py), computed on with fp32 activations by the
     # native CPU kernels: "none"; "int8", per-row int8 made at load from any checkpoint; "gguf",

@@ -11,12 +11,14 @@ memory, so fusing these is what makes it fast.
 
 The same sources are built once per instruction set (`ISAS`, csrc/isa.h),
 each as its own extension module compiled for its own target: AVX512-BF16
-(vdpbf16ps) and AVX2 + FMA (bf16 weights widened to fp32 in registers, fp32
-math). The best one the CPU runs is used unless a caller names one
-(`make_ops(..., isa=...)`, `LLM(kernel_isa=...)`). Both agree with the torch
+(vdpbf16ps), AVX-512 without BF16 (Intel's Cascade Lake and Ice Lake: bf16
+weights widened to fp32 in zmm registers, fp32 math) and AVX2 + FMA (the same
+in ymm registers). The best one the CPU runs is used unless a caller names one
+(`make_ops(..., isa=...)`, `LLM(kernel_isa=...)`). All agree with the torch
 reference to bf16 rounding, and each is batch invariant on its own
-(tests/engine/test_kernels.py); they differ from each other in the last bits
-(vdpbf16ps adds a k-pair's two products before accumulating).
+(tests/engine/test_kernels.py); avx512bf16 differs from the other two in the
+last bits (vdpbf16ps adds a k-pair's two products before accumulating), while
+avx512 and avx2 sum each matmul output in the same order: the same bits.
 
 `QuantOps` runs a model whose matmul weights stay quantized (engine/quant.py,
 `EngineConfig.quantization`) on the same builds: fp32 activations, the
@@ -57,6 +59,8 @@ class Isa:
 ISAS = (
     Isa("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")),
+    Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
     Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 )
 ISA_NAMES = tuple(i.name for i in ISAS)

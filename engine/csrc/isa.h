@@ -4,6 +4,10 @@
 //
 //   avx512bf16  -mavx512f -mavx512bw -mavx512vl -mavx512bf16   zmm, vdpbf16ps
 //               -mavx512vnni                                  (quant.h: vpdpbusd)
+//   avx512      -mavx512f -mavx512bw -mavx512vl -mavx512vnni   zmm, bf16 widened in registers, FMA
+//                                                             (AVX-512 without BF16: Intel's
+//                                                             Cascade Lake and Ice Lake; quant.h
+//                                                             as avx512bf16)
 //   avx2        -mavx2 -mfma -mf16c                            ymm, bf16 widened in registers, FMA
 //
 // Everything else (cpu_ops.cpp, matmul_bf16.cpp, decode_step.cpp) is written
@@ -19,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -45,12 +50,17 @@ struct Prefetcher {
   }
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__)
 #define KVRELAY_ISA_NAME "avx512bf16"
+#else
+#define KVRELAY_ISA_NAME "avx512"
+#endif
 
 struct Vec {
   using T = __m512;
   static constexpr int kLanes = 16;
+  static constexpr int kRegs = 32;
   static constexpr int kAccRegs = 16;  // of 32 zmm: what a kernel may keep as accumulators
   static T zero() { return _mm512_setzero_ps(); }
   static T set1(float v) { return _mm512_set1_ps(v); }
@@ -60,11 +70,30 @@ struct Vec {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
+  // kLanes bf16 pairs (W[c][k], W[c][k+1]) of [p, p + 2 kLanes) widened: k of each lane, then k + 1
+  static void widen_pairs(const bf16* p, T& even, T& odd) {
+    const __m512i r = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+#if defined(__AVX512BF16__)
   static __m256i to_bf16(T v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // nearest even
-  static void store_bf16(bf16* p, T v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
   static T round_bf16(T v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
   }
+#else
+  // Round to nearest even, as c10::BFloat16(float) and vcvtneps2bf16 do (NaN aside): add
+  // 0x7FFF plus the lowest kept bit, keep the top 16 bits.
+  static __m512i bf16_bits(T v) {  // the bf16 in the top half of each 32-bit lane, low half zero
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  }
+  static __m256i to_bf16(T v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)); }
+  static T round_bf16(T v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+#endif
+  static void store_bf16(bf16* p, T v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
@@ -95,6 +124,7 @@ struct Vec {
   }
 };
 
+#if defined(__AVX512BF16__)
 // One k-pair of a packed block is two zmm registers (32 columns x 2 k); each
 // row's x[m, k:k+2] is broadcast as one 32-bit value and vdpbf16ps adds both
 // products into the fp32 lanes of the outputs, so there are no horizontal
@@ -155,6 +185,7 @@ struct MatmulTile {
       _mm512_mask_storeu_ps(y, mask, v);
   }
 };
+#endif  // __AVX512BF16__
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KVRELAY_ISA_NAME "avx2"
@@ -162,6 +193,7 @@ struct MatmulTile {
 struct Vec {
   using T = __m256;
   static constexpr int kLanes = 8;
+  static constexpr int kRegs = 16;
   static constexpr int kAccRegs = 8;  // of 16 ymm
   static T zero() { return _mm256_setzero_ps(); }
   static T set1(float v) { return _mm256_set1_ps(v); }
@@ -185,6 +217,11 @@ struct Vec {
   }
   static void store_bf16(bf16* p, T v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
   static T round_bf16(T v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+  static void widen_pairs(const bf16* p, T& even, T& odd) {  // as the AVX-512 one
+    const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
@@ -217,27 +254,39 @@ struct Vec {
   }
 };
 
-// bf16 weights widened to fp32 (a 16-bit shift), fp32 FMAs. A k-pair of 8
-// columns is one ymm of 32-bit (W[c][k], W[c][k+1]) pairs: W[c][k] is the
-// lane shifted left 16 bits, W[c][k+1] the lane with its low half cleared.
+#else
+#error "engine/csrc needs AVX-512 or AVX2 + FMA (engine/kernels.py passes the -m flags)"
+#endif
+
+// bf16 weights widened to fp32 (a 16-bit shift), fp32 FMAs: the tile of every
+// build without vdpbf16ps (avx2, avx512). A k-pair of kLanes columns is one
+// vector of 32-bit (W[c][k], W[c][k+1]) pairs: W[c][k] is the lane shifted
+// left 16 bits, W[c][k+1] the lane with its low half cleared (Vec::widen_pairs).
 // x is always the tile's rows converted to fp32 and interleaved by k-pair
 // ([K/2][MR][2]) beforehand, so x[m, k] is one broadcast load. Each output
-// is summed k = 0, 1, 2, ... in one FMA chain, whatever the tile, so the two
-// ways a block is read below give the same bits:
+// is summed k = 0, 1, 2, ... in one FMA chain, whatever the tile and the vector
+// width, so the two ways a block is read below, and the avx2 and avx512 builds,
+// give the same bits:
 //
 // - one tile per block (up to kMaxRows rows: decode): the weights are
 //   widened in registers as they stream in. One row takes the block's 32
-//   columns in one pass (4 FMA chains, which a single row needs to keep
-//   memory busy, FMA latency being 4 cycles; in 16 columns it ran at half
-//   the speed); 2-5 rows two passes of 16 columns (2 x MR accumulators + 4
-//   weights + 2 broadcasts fit 16 ymm), 6 rows four passes of 8.
+//   columns in one pass (on AVX2 4 FMA chains, which a single row needs to
+//   keep memory busy, FMA latency being 4 cycles; in 16 columns it ran at half
+//   the speed); more rows take as many columns a pass as their accumulators,
+//   the widened weights and two broadcasts leave registers for (AVX2: 2-5 rows
+//   16 columns, 6 rows 8; AVX-512: up to 12 rows all 32).
 // - several tiles per block (tiles_k_blocked): the block is widened kKChunk k
 //   at a time into a per-thread fp32 buffer that stays in L1, and every tile's
 //   rows run over that chunk as a plain fp32 GEMM before the next chunk is
 //   widened; the partial sums wait in fp32 between chunks (the same chain).
-struct MatmulTile {
+struct WidenTile {
+  using V = Vec::T;
   using XElem = float;
-  static constexpr int kMaxRows = 6;
+  static constexpr int kL = Vec::kLanes;
+  static constexpr int kFull = kPackedCols / kL;  // vectors of a block's 32 columns
+  static constexpr int kMaxRows = Vec::kRegs == 32 ? 12 : 6;
+  // rows of a chunk_rows group: kFull accumulators each, beside kFull weights and a broadcast
+  static constexpr int kGroupRows = Vec::kRegs == 32 ? 8 : 3;
   static constexpr bool kBlocksK = true;  // rows_x_block hands several tiles to tiles_k_blocked
   // k of a block widened at a time: 64 x 32 fp32 = 8 KiB, with the tiles' x (16 rows: 4 KiB) in L1
   static constexpr int64_t kKChunk = 64;
@@ -250,14 +299,14 @@ struct MatmulTile {
   template <int MR, bool XP, class Out>
   static void tile(const XElem* x, const Block& blk, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                    int64_t pf_len) {
-    static_assert(XP, "the avx2 tile reads fp32 x interleaved by k-pair");
+    static_assert(XP, "the widening tile reads fp32 x interleaved by k-pair");
     tile_bf16<MR>(x, blk.w, y, K, N, cols, pf, pf_len);
   }
 
   // Rows [0, R) in `tiles` tiles of near-equal size (rows_x_block's split; tile t's
   // rows interleaved by k-pair at x + m K) against one packed block wb, K-blocked.
   // Against the whole block widened at once ([K][32] fp32, 73 KiB at K = 576, in L2 and
-  // re-read from there by every 3 rows), single-thread CPU time, weights cold as in a
+  // re-read from there by every 3 rows), single-thread CPU time on AVX2, weights cold as in a
   // step: SmolLM2's LM head at 16 rows 15.0-16.7 -> 12.3-12.7 ms, at 128 rows 100-108 ->
   // 80-81 ms; the layer matmuls the same within the noise (~70 GFLOPS at 16 rows, ~100
   // at 128); chunks of 32-288 k all within 3% of each other.
@@ -267,8 +316,9 @@ struct MatmulTile {
     thread_local std::vector<float> wf(kKChunk * kPackedCols), part;
     part.resize(R * kPackedCols);  // [R][32]: the partial sums between chunks
     int64_t groups = 0;
-    for (int64_t t = 0; t < tiles; ++t) groups += (R / tiles + (t < R % tiles) + 2) / 3;
+    for (int64_t t = 0; t < tiles; ++t) groups += (R / tiles + (t < R % tiles) + kGroupRows - 1) / kGroupRows;
     Prefetcher fetch(pf, pf_len, groups * K / 2);
+    static constexpr auto chunk = chunk_table<Out>(std::make_integer_sequence<int, kGroupRows>{});
     for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
       const int64_t kc = std::min(kKChunk, K - k0);
       widen(wb + k0 * kPackedCols, kc, wf.data());
@@ -276,14 +326,10 @@ struct MatmulTile {
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t r = R / tiles + (t < R % tiles);
         const float* xt = x + m * K + k0 * r;  // the tile's k-pairs from k0
-        for (int64_t g = 0; g < r; g += 3) {
-          float* pg = part.data() + (m + g) * kPackedCols;
-          Out* yg = y + (m + g) * N;
-          switch (std::min<int64_t>(3, r - g)) {
-            case 3: chunk_rows<3>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
-            case 2: chunk_rows<2>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
-            default: chunk_rows<1>(xt + 2 * g, r, wf.data(), kc, pg, first, last, yg, N, cols, fetch); break;
-          }
+        for (int64_t g = 0; g < r; g += kGroupRows) {
+          const int64_t G = std::min<int64_t>(kGroupRows, r - g);
+          chunk[G](xt + 2 * g, r, wf.data(), kc, part.data() + (m + g) * kPackedCols, first, last, y + (m + g) * N,
+                   N, cols, fetch);
         }
         m += r;
       }
@@ -291,101 +337,115 @@ struct MatmulTile {
   }
 
  private:
+  template <class Out>
+  using ChunkFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool, bool, Out*, int64_t, int64_t,
+                           Prefetcher&);
+  template <class Out, int... G>
+  static constexpr std::array<ChunkFn<Out>, kGroupRows + 1> chunk_table(std::integer_sequence<int, G...>) {
+    return {nullptr, &chunk_rows<G + 1, Out>...};
+  }
+
   static void widen(const bf16* wb, int64_t kc, float* wf) {  // kc k of a packed block -> [kc][32] fp32
-    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int64_t kp = 0; kp < kc / 2; ++kp, wb += 2 * kPackedCols)
-      for (int c = 0; c < 4; ++c) {  // 8 columns x 2 k
-        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 * c));
-        float* d = wf + 2 * kp * kPackedCols + 8 * c;
-        _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
-        _mm256_storeu_ps(d + kPackedCols, _mm256_castsi256_ps(_mm256_and_si256(r, hi_mask)));
+      for (int c = 0; c < kFull; ++c) {  // kL columns x 2 k
+        V e, o;
+        Vec::widen_pairs(wb + 2 * kL * c, e, o);
+        float* d = wf + 2 * kp * kPackedCols + kL * c;
+        Vec::store(d, e);
+        Vec::store(d + kPackedCols, o);
       }
   }
 
   // G rows (x: their k-pairs, `rows` rows per k-pair) x 32 columns against kc k of the
-  // widened block: 12 accumulators + 4 weights + 1 broadcast at G = 3, one broadcast per
-  // 4 FMAs. The sums start at zero (first) or from part, and end in y (last) or in part.
+  // widened block: G kFull accumulators + kFull weights + 1 broadcast (AVX2, G = 3: 12 + 4
+  // + 1, one broadcast per 4 FMAs). The sums start at zero (first) or from part, and end
+  // in y (last) or in part.
   template <int G, class Out>
   static void chunk_rows(const float* x, int64_t rows, const float* wf, int64_t kc, float* part, bool first,
                          bool last, Out* y, int64_t N, int64_t cols, Prefetcher& fetch) {
-    __m256 acc[G][4];
-#pragma GCC unroll 16
-    for (int i = 0; i < G * 4; ++i)
-      acc[i / 4][i % 4] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + 8 * i);
+    V acc[G][kFull];
+#pragma GCC unroll 32
+    for (int i = 0; i < G * kFull; ++i)
+      acc[i / kFull][i % kFull] = first ? Vec::zero() : Vec::load(part + kL * i);
     const float* xk = x;
     const float* w = wf;
     for (int64_t k = 0; k < kc; k += 2, xk += 2 * rows) {
       fetch.step();
       for (int j = 0; j < 2; ++j, w += kPackedCols) {
-        __m256 wv[4];
-        for (int c = 0; c < 4; ++c) wv[c] = _mm256_loadu_ps(w + 8 * c);
+        V wv[kFull];
+        for (int c = 0; c < kFull; ++c) wv[c] = Vec::load(w + kL * c);
         for (int m = 0; m < G; ++m) {
-          const __m256 xv = _mm256_broadcast_ss(xk + 2 * m + j);
-          for (int c = 0; c < 4; ++c) acc[m][c] = _mm256_fmadd_ps(wv[c], xv, acc[m][c]);
+          const V xv = Vec::set1(xk[2 * m + j]);
+          for (int c = 0; c < kFull; ++c) acc[m][c] = Vec::fmadd(wv[c], xv, acc[m][c]);
         }
       }
     }
     if (last) {
-      flush<G, 4>(acc, y, N, cols);
+      flush<G, kFull>(acc, y, N, cols);
       return;
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < G * 4; ++i) _mm256_storeu_ps(part + 8 * i, acc[i / 4][i % 4]);
+#pragma GCC unroll 32
+    for (int i = 0; i < G * kFull; ++i) Vec::store(part + kL * i, acc[i / kFull][i % kFull]);
+  }
+
+  // vectors of kL columns per row per pass: the whole block for one row, else as many as
+  // MR rows' accumulators leave registers for beside the widened weights and 2 broadcasts
+  template <int MR>
+  static constexpr int pass_vectors() {
+    if (MR == 1) return kFull;
+    int nc = kFull;
+    while (nc > 1 && MR * nc + 2 * nc + 2 > Vec::kRegs) nc /= 2;
+    return nc;
   }
 
   template <int MR, class Out>
   static void tile_bf16(const float* x, const bf16* wb, Out* y, int64_t K, int64_t N, int64_t cols, const char* pf,
                         int64_t pf_len) {
-    constexpr int NC = MR == 1 ? 4 : MR <= 5 ? 2 : 1;  // ymm of 8 columns per row per pass
-    constexpr int64_t kPassCols = 8 * NC;
+    constexpr int NC = pass_vectors<MR>();
+    constexpr int64_t kPassCols = kL * NC;
     const int64_t passes = (cols + kPassCols - 1) / kPassCols;
     Prefetcher fetch(pf, pf_len, passes * K / 2);
-    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int64_t h = 0; h < passes; ++h) {
-      __m256 acc[MR][NC];
+      V acc[MR][NC];
       for (int m = 0; m < MR; ++m)
-        for (int c = 0; c < NC; ++c) acc[m][c] = _mm256_setzero_ps();
-      const bf16* w = wb + 2 * kPassCols * h;  // a k-pair of the block is 64 bf16, 16 per ymm
+        for (int c = 0; c < NC; ++c) acc[m][c] = Vec::zero();
+      const bf16* w = wb + 2 * kPassCols * h;  // a k-pair of the block is 64 bf16, 2 kL per vector
       const float* xk = x;
       for (int64_t k = 0; k < K; k += 2, w += 2 * kPackedCols, xk += 2 * MR) {
         fetch.step();
-        __m256 e[NC], o[NC];
-        for (int c = 0; c < NC; ++c) {
-          const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * c));
-          e[c] = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
-          o[c] = _mm256_castsi256_ps(_mm256_and_si256(r, hi_mask));
-        }
+        V e[NC], o[NC];
+        for (int c = 0; c < NC; ++c) Vec::widen_pairs(w + 2 * kL * c, e[c], o[c]);
         for (int m = 0; m < MR; ++m) {
-          const __m256 x0 = _mm256_broadcast_ss(xk + 2 * m), x1 = _mm256_broadcast_ss(xk + 2 * m + 1);
-          for (int c = 0; c < NC; ++c) acc[m][c] = _mm256_fmadd_ps(o[c], x1, _mm256_fmadd_ps(e[c], x0, acc[m][c]));
+          const V x0 = Vec::set1(xk[2 * m]), x1 = Vec::set1(xk[2 * m + 1]);
+          for (int c = 0; c < NC; ++c) acc[m][c] = Vec::fmadd(o[c], x1, Vec::fmadd(e[c], x0, acc[m][c]));
         }
       }
       flush<MR, NC>(acc, y + kPassCols * h, N, cols - kPassCols * h);
     }
   }
 
-  // Rows [0, MR) of 8 NC accumulated columns into y (row stride N), the first n of
-  // them (n may exceed 8 NC). Through an fp32 buffer in loops GCC unrolls fully:
+  // Rows [0, MR) of kL NC accumulated columns into y (row stride N), the first n of
+  // them (n may exceed kL NC). Through an fp32 buffer in loops GCC unrolls fully:
   // an accumulator array whose elements were indexed by a loop it did not unroll
   // got a stack copy that was written back on every k step (a third slower).
   template <int MR, int NC, class Out>
-  static void flush(const __m256 (&acc)[MR][NC], Out* y, int64_t N, int64_t n) {
-    alignas(32) float res[MR][8 * NC];
+  static void flush(const V (&acc)[MR][NC], Out* y, int64_t N, int64_t n) {
+    alignas(64) float res[MR][kL * NC];
 #pragma GCC unroll 32
-    for (int i = 0; i < MR * NC; ++i) _mm256_store_ps(res[i / NC] + 8 * (i % NC), acc[i / NC][i % NC]);
-    n = std::min<int64_t>(n, 8 * NC);
+    for (int i = 0; i < MR * NC; ++i) Vec::store(res[i / NC] + kL * (i % NC), acc[i / NC][i % NC]);
+    n = std::min<int64_t>(n, kL * NC);
     for (int m = 0; m < MR; ++m) put(y + m * N, res[m], n);
   }
   static void put(float* y, const float* v, int64_t n) { std::memcpy(y, v, n * sizeof(float)); }
   static void put(bf16* y, const float* v, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) Vec::store_bf16(y + i, _mm256_load_ps(v + i));
+    for (; i + kL <= n; i += kL) Vec::store_bf16(y + i, Vec::load(v + i));
     for (; i < n; ++i) y[i] = bf16(v[i]);
   }
 };
 
-#else
-#error "engine/csrc needs AVX-512 BF16 or AVX2 + FMA (engine/kernels.py passes the -m flags)"
+#if !defined(__AVX512BF16__)
+using MatmulTile = WidenTile;
 #endif
 
 }  // namespace kvrelay

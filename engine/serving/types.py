@@ -170,7 +170,7 @@ class LoadReport:
     num_prompt_tokens_computed: int = 0  # prompt positions this replica ran through the model, since start
     num_kv_bytes_sent: int = 0  # prefill: KV bytes of the transfers that ended DONE, since start
     # what the replica runs: its weights' format (EngineConfig.quantization: none, gguf, int8)
-    # and its kernel ISA path (avx512bf16, avx2, or none: torch's ops); "" where unknown
+    # and its kernel ISA path (avx512bf16, avx512, avx2, or none: torch's ops); "" where unknown
     quantization: str = ""
     kernel_isa: str = ""
     pipeline_parallel_size: int = 1  # its pipeline stages (each of tensor_parallel_size ranks)

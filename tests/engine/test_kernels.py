@@ -1,7 +1,8 @@
 """The native bf16 CPU ops agree with the torch reference to bf16 rounding,
 and the bf16 engine that uses them still answers correctly: each test that
 takes `native` (or `kernel_isa`, tests/conftest.py) runs once per kernel ISA
-path (AVX512-BF16, AVX2), skipping only where the CPU lacks that ISA."""
+path (AVX512-BF16, AVX-512 without BF16, AVX2), skipping only where the CPU
+lacks that ISA."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.attention import BatchMetadata, _decode_attention
 from engine.kernels import NativeOps, PackedWeight, TorchOps, load_native_ops, make_ops
+from tests.conftest import require_isa
 
 
 @pytest.fixture(scope="session")
@@ -348,6 +350,48 @@ def _fused_and_per_op(model, kv_caches, ctx_lens):
     finally:
         model.fused = fused
     return got, ref, kv_caches, per_op_kv
+
+
+@pytest.mark.skipif("avx512" not in kernels.cpu_isas(), reason="CPU lacks avx512 (AVX-512 F/BW/VL and VNNI)")
+def test_an_avx512_cpu_without_bf16_runs_the_avx512_path(monkeypatch):
+    """What an Intel Cascade Lake or Ice Lake (AVX-512 and VNNI, no BF16) gets: auto is
+    avx512, and asking for avx512bf16 is an error naming the flag it lacks. A Skylake-SP
+    (AVX-512 without VNNI, which the quantized kernels' AVX-512 dot product needs) runs avx2."""
+    ice_lake = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: ice_lake)
+    assert kernels.cpu_isas() == ["avx512", "avx2"]
+    assert make_ops(torch.bfloat16, torch.device("cpu")).isa == "avx512"
+    with pytest.raises(ValueError, match="'avx512bf16' is not available.*avx512_bf16"):
+        make_ops(torch.bfloat16, torch.device("cpu"), isa="avx512bf16")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: ice_lake - {"avx512_vnni"})
+    assert kernels.cpu_isas() == ["avx2"]
+    with pytest.raises(ValueError, match="'avx512' is not available.*avx512_vnni"):
+        make_ops(torch.bfloat16, torch.device("cpu"), isa="avx512")
+
+
+def test_the_bf16_output_is_the_fp32_output_rounded_to_nearest_even(native):
+    """Each path's bf16 results are its fp32 ones rounded as torch rounds them (the avx2
+    and avx512 builds round in integer code; avx512bf16 with vcvtneps2bf16)."""
+    for n, k in [(960, 576), (100, 96)]:
+        w = PackedWeight.pack(_rand(n, k, seed=n + 1))
+        x = _rand(70, k, seed=k + 1)
+        for m in (1, 2, 7, 12, 13, 49, 70):
+            assert torch.equal(native.linear(x[:m], w), native.logits(x[:m], w).bfloat16())
+
+
+def test_the_widening_paths_give_the_same_bits():
+    """avx512 and avx2 widen bf16 weights to fp32 and sum each output k = 0, 1, 2, ... in
+    one FMA chain, whatever the vector width, the tile and the batch: the same bits for
+    every row count, decode tiles, K-blocked tiles and the LM head's fp32 output alike."""
+    for isa in ("avx512", "avx2"):
+        require_isa(isa)
+    wide, narrow = NativeOps(load_native_ops("avx512")), NativeOps(load_native_ops("avx2"))
+    for n, k in [(960, 576), (37, 64), (100, 1536)]:
+        w = PackedWeight.pack(_rand(n, k, seed=n + 2))
+        x = _rand(130, k, seed=k + 2)
+        for m in list(range(1, 26)) + [49, 64, 130]:
+            assert torch.equal(wide.logits(x[:m], w), narrow.logits(x[:m], w)), (n, k, m)
+            assert torch.equal(wide.linear(x[:m], w), narrow.linear(x[:m], w)), (n, k, m)
 
 
 @pytest.mark.parametrize("ctx_lens", [[150], [1, 16, 33], [5, 17, 40, 128, 3, 64, 65, 200]])
