@@ -18,7 +18,9 @@ in ymm registers). The best one the CPU runs is used unless a caller names one
 reference to bf16 rounding, and each is batch invariant on its own
 (tests/engine/test_kernels.py); avx512bf16 differs from the other two in the
 last bits (vdpbf16ps adds a k-pair's two products before accumulating), while
-avx512 and avx2 sum each matmul output in the same order: the same bits.
+avx512 and avx2 sum each matmul output in the same order: the same matmul bits
+(their norms and attention reduce over 16 lanes against 8, so a whole model
+may still differ in the last bits).
 
 `QuantOps` runs a model whose matmul weights stay quantized (engine/quant.py,
 `EngineConfig.quantization`) on the same builds: fp32 activations, the

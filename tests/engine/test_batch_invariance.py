@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16-avx512bf16", "bfloat16-avx2"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16-avx512bf16", "bfloat16-avx512", "bfloat16-avx2"])
 def numerics(request) -> dict:
     """LLM arguments for one way of computing: fp32 on torch's ops, or bf16 on a kernel ISA path."""
     dtype, _, isa = request.param.partition("-")
