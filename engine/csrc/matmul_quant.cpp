@@ -327,6 +327,10 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
   // chunks of rows whose digits stay in L2 (~256 KiB) while every block of W passes them
   const int64_t cap = std::max<int64_t>(R, (256 << 10) / (4 * stride + static_cast<int64_t>(sizeof(XBlock)) * blocks) / R * R);
   const int64_t chunks = (M + cap - 1) / cap, chunk_rows = (M + chunks - 1) / chunks;
+  // Decode rows (one tile a block): each thread takes one run of consecutive blocks, a single
+  // stream of weights, rather than four claimed in turn. At 2 threads on a Zen 4 the default
+  // model's Q4_1 layers ran 1.20x (avx512bf16) and 1.11x (avx2) faster so, interleaved in one
+  // process (BENCHMARKS.md "Quantized decode at 2 threads"); bf16 matmuls so gained nothing.
   par_for(chunks * wblocks, M <= R ? 2 : 1, threads, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
       const int64_t c = i / wblocks, b = i % wblocks, m0 = c * chunk_rows, rows = std::min(M, m0 + chunk_rows) - m0;
@@ -337,7 +341,7 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
                  cols);
       }
     }
-  });
+  }, M <= R ? 1 : 4);
 }
 
 }  // namespace

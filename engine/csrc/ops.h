@@ -23,9 +23,11 @@ namespace kvrelay {
 // shares every one waited for the slower thread (a core shared with another job,
 // a cold cache), which perf showed as a fifth of both threads' time spinning.
 // Which thread runs a chunk never changes what it computes, so the bits are the
-// same. The first exception thrown by fn is rethrown on the caller.
+// same. The first exception thrown by fn is rethrown on the caller. `per_thread`:
+// chunks a thread, about (a caller whose work is one weight stream a thread may
+// want it whole: matmul_quant.cpp).
 template <class F>
-inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
+inline void par_for(int64_t n, int64_t grain, int threads, const F& fn, int per_thread = 4) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   if (threads <= 1 || n <= grain || at::in_parallel_region()) {
@@ -33,8 +35,8 @@ inline void par_for(int64_t n, int64_t grain, int threads, const F& fn) {
     return;
   }
   const int64_t nt = std::min<int64_t>(std::min(threads, at::get_num_threads()), (n + grain - 1) / grain);
-  // about four chunks a thread: few enough claims, small enough for the faster thread to take more
-  const int64_t chunk = std::max(grain, n / (4 * nt));
+  // four chunks a thread by default: few enough claims, small enough for the faster thread to take more
+  const int64_t chunk = std::max(grain, n / (std::max(per_thread, 1) * nt));
   std::atomic<int64_t> next{0};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
