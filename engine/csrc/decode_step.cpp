@@ -238,6 +238,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("ids"), py::arg("n"),
         py::arg("bits"), py::arg("scale_d") = py::none(), py::arg("min_d") = py::none(), py::arg("grid") = py::none(),
         release());
+  // how bf16 matmuls of decode rows stream their weights (matmul_bf16.cpp; engine.decode_stream_bench)
+  m.def("set_bf16_decode_stream", &kvrelay::set_decode_stream, py::arg("chunks_per_thread"),
+        py::arg("prefetch_next"));
+  m.def("bf16_decode_stream", &kvrelay::decode_stream);
   py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
       .def(py::init(&kvrelay::make_bf16_decoder))
       .def("forward", &kvrelay::Bf16Decoder::forward, release());

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -73,6 +74,17 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
   }
 }
 
+// How decode rows (at most one register tile: one tile a block) stream a matrix, process-wide:
+// the chunks of blocks a thread claims (par_for's per_thread: 1, one run of consecutive blocks a
+// thread, or more, claimed in turn), and whether each block's tile also fetches the block its
+// thread runs next into L2. Which is faster depends on the CPU's memory path; engine.
+// decode_stream_bench compares them on the machine at hand. The defaults are the fastest on a
+// Zen 4 (BENCHMARKS.md "bf16 decode: how a thread streams its weights"): at 2 threads one run a
+// thread beat four chunks by 1.09x (avx2), 1.04x (avx512) and 1.03x (avx512bf16), as it did for
+// the quantized matmul (matmul_quant.cpp); the prefetch lost 12-23%. Same bits either way.
+std::atomic<int> g_decode_chunks{1};
+std::atomic<bool> g_decode_prefetch{false};
+
 template <class Out>
 void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
   if (M <= 0) return;
@@ -117,15 +129,18 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
       }
     });
   }
+  const bool decode = chunk_rows <= kMaxRows;
+  const bool prefetch_decode = g_decode_prefetch.load(std::memory_order_relaxed);
   par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t c = i / blocks, blk = i % blocks;
       const int64_t m0 = c * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
       // Past one tile, a block takes long enough to compute that memory would sit idle
       // while it is re-read from L2; fetch the next one meanwhile (16 rows: 12.8 -> 11.7 ms
-      // for a step's matmuls). Up to one tile the hardware prefetcher keeps up, and
-      // software prefetches on top slowed 1-8 rows by up to 8% (side-by-side runs).
-      const bf16* next = m1 - m0 > kMaxRows && i + 1 < b ? wp + (i + 1) % blocks * K * kCols : nullptr;
+      // for a step's matmuls). Up to one tile the hardware prefetcher keeps up on a Zen 4,
+      // and software prefetches on top slow decode rows (g_decode_prefetch, off by default).
+      const bool fetch = (m1 - m0 > kMaxRows || prefetch_decode) && i + 1 < b;
+      const bf16* next = fetch ? wp + (i + 1) % blocks * K * kCols : nullptr;
       if (xp)
         rows_x_block<Out, true>(xs + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
                                 std::min(kCols, N - blk * kCols), next);
@@ -133,7 +148,7 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
         rows_x_block<Out, false>(x + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
                                  std::min(kCols, N - blk * kCols), next);
     }
-  });
+  }, decode ? g_decode_chunks.load(std::memory_order_relaxed) : 4);  // (prefill: par_for's default)
 }
 
 }  // namespace
@@ -145,6 +160,15 @@ void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what) {
                   w.size(2) == kCols && w.size(3) == 2,
               what, ": packed weight of shape ", w.sizes(), " is not a packed [", n, ", ", k, "] matrix");
 }
+
+void set_decode_stream(int chunks_per_thread, bool prefetch_next) {
+  TORCH_CHECK(chunks_per_thread >= 1 && chunks_per_thread <= 64,
+              "set_bf16_decode_stream: chunks_per_thread must be 1 to 64, not ", chunks_per_thread);
+  g_decode_chunks.store(chunks_per_thread);
+  g_decode_prefetch.store(prefetch_next);
+}
+
+std::pair<int, bool> decode_stream() { return {g_decode_chunks.load(), g_decode_prefetch.load()}; }
 
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
   matmul_impl(x, wp, y, M, K, N, threads);

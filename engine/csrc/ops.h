@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <utility>
 
 #include "isa.h"
 
@@ -24,8 +25,8 @@ namespace kvrelay {
 // a cold cache), which perf showed as a fifth of both threads' time spinning.
 // Which thread runs a chunk never changes what it computes, so the bits are the
 // same. The first exception thrown by fn is rethrown on the caller. `per_thread`:
-// chunks a thread, about (a caller whose work is one weight stream a thread may
-// want it whole: matmul_quant.cpp).
+// chunks a thread, about (the decode matmuls take one, a single weight stream a
+// thread: matmul_bf16.cpp, matmul_quant.cpp).
 template <class F>
 inline void par_for(int64_t n, int64_t grain, int threads, const F& fn, int per_thread = 4) {
   if (n <= 0) return;
@@ -60,6 +61,10 @@ inline void par_for(int64_t n, int64_t grain, int threads, const F& fn, int per_
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads);
 // Same, fp32 output (the LM head: logits stay fp32).
 void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads);
+// How bf16 matmuls of decode rows stream their weights, process-wide (matmul_bf16.cpp): chunks of
+// blocks a thread (1-64), and whether each block fetches the thread's next one into L2.
+void set_decode_stream(int chunks_per_thread, bool prefetch_next);
+std::pair<int, bool> decode_stream();
 // Checks that w is a packed [n, k] weight (contiguous bf16 [ceil(n/32), k/2, 32, 2]); `what` names the caller.
 void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what);
 // The elementwise kernels, each for E = bf16 (the bf16 model) and E = float (the
