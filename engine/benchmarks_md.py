@@ -49,6 +49,30 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
 
+def side_by_side_parser(module: str, doc: str, section: str, single_stream: bool = True):
+    """The parser of a benchmark that runs its variants side by side in one process: the kernel
+    ISA paths and thread counts to run (comma-separated; comma_list), interleaved rounds, --write
+    (its `section` of BENCHMARKS.md) and, for single-stream decode, the prompt and new tokens."""
+    import argparse
+
+    from engine.kernels import cpu_isas
+
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    p.add_argument("--isa", default=",".join(cpu_isas()), help="kernel ISA paths, comma-separated")
+    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument("--rounds", type=int, default=5)
+    if single_stream:
+        p.add_argument("--prompt-len", type=int, default=128)
+        p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--write", action="store_true", help=f"replace the section {section!r} of BENCHMARKS.md")
+    return p
+
+
+def comma_list(text: str, fn=str) -> list:
+    """'1,2' -> [fn('1'), fn('2')], empty items dropped."""
+    return [fn(s) for s in text.split(",") if s]
+
+
 def publish(section: str, write: bool) -> int:
     """Print a benchmark's section and, when asked to (--write), put it into BENCHMARKS.md; 0,
     the script's exit status."""

@@ -14,7 +14,6 @@ noisy. The memory wall is the step's weight bytes at the read bandwidth measured
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import dataclass
@@ -93,20 +92,12 @@ def run(model: str | None, isas: list[str], threads: list[int], rounds: int, pro
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.benchmarks_md import command_line, cpu_isa_text, provenance, publish
-    from engine.kernels import cpu_isas
+    from engine.benchmarks_md import command_line, comma_list, cpu_isa_text, provenance, publish, side_by_side_parser
 
-    p = argparse.ArgumentParser(prog="python -m engine.decode_stream_bench", description=__doc__.split("\n\n")[0])
+    p = side_by_side_parser("engine.decode_stream_bench", __doc__, SECTION)
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--isa", default=",".join(cpu_isas()), help="kernel ISA paths, comma-separated")
-    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--write", action="store_true", help=f"replace the section {SECTION!r} of BENCHMARKS.md")
     args = p.parse_args(argv)
-    isas = [s for s in args.isa.split(",") if s]
-    threads = [int(s) for s in args.threads.split(",") if s]
+    isas, threads = comma_list(args.isa), comma_list(args.threads, int)
     if not isas:
         raise SystemExit("no kernel ISA path to run: this CPU runs none (see engine/kernels.py)")
     body = run(args.model, isas, threads, args.rounds, args.prompt_len, args.new_tokens)

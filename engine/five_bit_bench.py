@@ -10,7 +10,6 @@ machines are shared and noisy. The file defaults to the packaged Q4_1 model rewr
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -63,20 +62,12 @@ def run(path: Path, isas: list[str], threads: list[int], rounds: int, prompt_len
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.benchmarks_md import command_line, cpu_isa_text, provenance, publish
-    from engine.kernels import cpu_isas
+    from engine.benchmarks_md import command_line, comma_list, cpu_isa_text, provenance, publish, side_by_side_parser
 
-    p = argparse.ArgumentParser(prog="python -m engine.five_bit_bench", description=__doc__.split("\n\n")[0])
+    p = side_by_side_parser("engine.five_bit_bench", __doc__, SECTION)
     p.add_argument("--model", type=Path, help="a GGUF file (default: the packaged model rewritten as Q4_K_M)")
-    p.add_argument("--isa", default=",".join(cpu_isas()), help="kernel ISA paths, comma-separated")
-    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--write", action="store_true", help=f"replace the section {SECTION!r} of BENCHMARKS.md")
     args = p.parse_args(argv)
-    isas = [s for s in args.isa.split(",") if s]
-    threads = [int(s) for s in args.threads.split(",") if s]
+    isas, threads = comma_list(args.isa), comma_list(args.threads, int)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:

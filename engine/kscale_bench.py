@@ -21,7 +21,6 @@ The memory wall is the layer's bytes over the read bandwidth measured in the sam
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -151,24 +150,16 @@ def run(types: list[str], isas: list[str], threads: list[int], rows: list[int], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.benchmarks_md import command_line, cpu_isa_text, provenance, publish
-    from engine.kernels import cpu_isas
+    from engine.benchmarks_md import command_line, comma_list, cpu_isa_text, provenance, publish, side_by_side_parser
 
-    p = argparse.ArgumentParser(prog="python -m engine.kscale_bench", description=__doc__.split("\n\n")[0])
+    p = side_by_side_parser("engine.kscale_bench", __doc__, SECTION, single_stream=False)
     p.add_argument("--types", default=",".join(TYPES), help="GGUF k-quant types, comma-separated")
-    p.add_argument("--isa", default=",".join(cpu_isas()), help="kernel ISA paths, comma-separated")
-    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     p.add_argument("--rows", default="1,8", help="token rows per matmul (decode batch sizes), comma-separated")
-    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=9, help="timed calls per round and form (the median is kept)")
     p.add_argument("--shrink", type=int, default=1, help="divide every matrix's sides by this (a quick check)")
-    p.add_argument("--write", action="store_true", help=f"replace the section {SECTION!r} of BENCHMARKS.md")
     args = p.parse_args(argv)
-
-    def split(text, fn=str):
-        return [fn(s) for s in text.split(",") if s]
-    body = run(split(args.types), split(args.isa), split(args.threads, int), split(args.rows, int), args.rounds,
-               args.reps, args.shrink)
+    body = run(comma_list(args.types), comma_list(args.isa), comma_list(args.threads, int), comma_list(args.rows, int),
+               args.rounds, args.reps, args.shrink)
     command = command_line("engine.kscale_bench", argv)
     text = (f"{SECTION}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
             "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, as held now (k-quant scales "
