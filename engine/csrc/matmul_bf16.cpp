@@ -80,8 +80,9 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // thread runs next into L2. Which is faster depends on the CPU's memory path; engine.
 // decode_stream_bench compares them on the machine at hand. The defaults are the fastest on a
 // Zen 4 (BENCHMARKS.md "bf16 decode: how a thread streams its weights"): at 2 threads one run a
-// thread beat four chunks by 1.09x (avx2), 1.04x (avx512) and 1.03x (avx512bf16), as it did for
-// the quantized matmul (matmul_quant.cpp); the prefetch lost 12-23%. Same bits either way.
+// thread beat four chunks by 1.06-1.09x (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16)
+// over three runs, as it did for the quantized matmul (matmul_quant.cpp); the prefetch lost 8-26%.
+// Same bits either way.
 std::atomic<int> g_decode_chunks{1};
 std::atomic<bool> g_decode_prefetch{false};
 
