@@ -25,13 +25,13 @@ namespace kvrelay {
 struct PackedMat {  // bf16, packed (matmul_bf16.cpp): the bf16 model
   torch::Tensor w;
   int64_t n = 0, k = 0;
+  const bf16* p = nullptr;  // w's data, read once here: a step reads it from this struct, not from w's TensorImpl,
+                            // which the weights streamed since the last step have pushed out of cache
   void check(int64_t n_, int64_t k_, const char* what) {
     check_packed(w, n_, k_, what);
-    n = n_, k = k_;
+    n = n_, k = k_, p = w.data_ptr<bf16>();
   }
-  void operator()(const bf16* x, bf16* y, int64_t M, int threads) const {
-    matmul_packed(x, w.data_ptr<bf16>(), y, M, k, n, threads);
-  }
+  void operator()(const bf16* x, bf16* y, int64_t M, int threads) const { matmul_packed(x, p, y, M, k, n, threads); }
 };
 struct QuantMat {  // quantized (quant.h), fp32 activations: the quantized model
   torch::Tensor q, scales, mins, scale_d, min_d, grid;
@@ -49,6 +49,7 @@ class FusedDecoder {
   struct Layer {
     torch::Tensor in_norm, post_norm, qkv_b, q_norm, k_norm;  // qkv_b, q_norm, k_norm: undefined where absent
     Mat qkv, o, gate_up, down;
+    const E *in_p = nullptr, *post_p = nullptr, *qn_p = nullptr, *kn_p = nullptr;  // the norms' data (as PackedMat::p)
   };
 
   FusedDecoder(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
@@ -65,6 +66,8 @@ class FusedDecoder {
     inter_ = inter;
     const int64_t H = hidden_, nq = nh_ * hd_, nqkv = nq + 2 * nkv_ * hd_;
     for (auto& L : layers_) {
+      L.in_p = L.in_norm.template data_ptr<E>(), L.post_p = L.post_norm.template data_ptr<E>();
+      if (L.q_norm.defined()) L.qn_p = L.q_norm.template data_ptr<E>(), L.kn_p = L.k_norm.template data_ptr<E>();
       L.qkv.check(nqkv, H, "FusedDecoder qkv_w");
       L.o.check(H, nq, "FusedDecoder o_w");
       L.gate_up.check(2 * inter_, H, "FusedDecoder gate_up_w");
@@ -103,7 +106,8 @@ class FusedDecoder {
     const E* sinp = sin_.data_ptr<E>();
 
     const bool residual_out = final_norm_.numel() == 0;
-    add_rms_norm(xp, nullptr, layers_[0].in_norm.template data_ptr<E>(), hp, M, H, eps_, threads);
+    const E* final_p = residual_out ? nullptr : final_norm_.template data_ptr<E>();
+    add_rms_norm(xp, nullptr, layers_[0].in_p, hp, M, H, eps_, threads);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
       const torch::Tensor& kv = kv_caches[li];
@@ -111,8 +115,8 @@ class FusedDecoder {
       L.qkv(hp, qkvp, M, threads);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to E, as the unfused model adds it
       if (L.q_norm.defined()) {
-        head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.q_norm.template data_ptr<E>(), eps_, threads);
-        head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.k_norm.template data_ptr<E>(), eps_, threads);
+        head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.qn_p, eps_, threads);
+        head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.kn_p, eps_, threads);
       }
       rope(qkvp, nqkv, hd_, M, nh_ + nkv_, hd_, cosp, sinp, pos, threads);
       // this token's key and value into its slot: kv[block, 0|1, offset]
@@ -126,15 +130,13 @@ class FusedDecoder {
       decode_attention(qkvp, nqkv, kvp, BS, nkv_, tab, tables.size(1), len, attnp, nq, M, nh_, hd_, scale_,
                        threads);
       L.o(attnp, projp, M, threads);
-      add_rms_norm(xp, projp, L.post_norm.template data_ptr<E>(), hp, M, H, eps_, threads);
+      add_rms_norm(xp, projp, L.post_p, hp, M, H, eps_, threads);
       L.gate_up(hp, gup, M, threads);
       silu_mul(gup, actp, M, I, threads);
       L.down(actp, projp, M, threads);
       // (no final norm: x += proj all the same; the h normed with layer 0's weight goes unused)
-      const torch::Tensor& next = li + 1 < layers_.size() ? layers_[li + 1].in_norm
-                                  : residual_out          ? layers_[0].in_norm
-                                                          : final_norm_;
-      add_rms_norm(xp, projp, next.data_ptr<E>(), hp, M, H, eps_, threads);
+      const E* next = li + 1 < layers_.size() ? layers_[li + 1].in_p : residual_out ? layers_[0].in_p : final_p;
+      add_rms_norm(xp, projp, next, hp, M, H, eps_, threads);
     }
     return residual_out ? x : h;
   }

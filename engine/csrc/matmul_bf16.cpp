@@ -122,6 +122,10 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
         const int64_t m = m0 + t * (R / tiles) + std::min(t, R % tiles), r = R / tiles + (t < R % tiles);
         const bf16* src = x + m * K;
         XElem* d = dst + m * K;
+        if (r == 1) {  // (one row: the layout is the row itself; a loop the compiler vectorizes)
+          for (int64_t k = 0; k < K; ++k) d[k] = static_cast<XElem>(src[k]);
+          continue;
+        }
         for (int64_t kp = 0; kp < K / 2; ++kp)
           for (int64_t j = 0; j < r; ++j) {
             d[2 * (kp * r + j)] = static_cast<XElem>(src[j * K + 2 * kp]);
