@@ -4,13 +4,15 @@
     python -m engine.decode_stream_bench --isa avx512bf16,avx2 --threads 1,2 --rounds 5 --write
 
 A bf16 matmul of decode rows (one register tile a block of 32 columns) can stream a matrix in
-four ways (engine/csrc/matmul_bf16.cpp, `set_bf16_decode_stream`): each thread takes its blocks
+several ways (engine/csrc/matmul_bf16.cpp, `set_bf16_decode_stream`): each thread takes its blocks
 as one run of consecutive blocks (the default) or claims them in four chunks in turn, and each
-block's tile does or does not also fetch the block the thread runs next into L2. All four compute
-the same bits; which is fastest depends on the CPU's memory path. One model,
-every setting, in interleaved rounds of single-stream decode (a 128-token prompt and 128 new
-tokens by default), each round's ratios taken within the round: these machines are shared and
-noisy. The memory wall is the step's weight bytes at the read bandwidth measured in the same run.
+block's tile fetches into L2 in software nothing (the default), the block its thread runs next,
+or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end that is the next
+matrix the step reads). Every setting computes the same bits; which is fastest depends on the
+CPU's memory path. One model, every setting, in interleaved rounds of single-stream decode (a
+128-token prompt and 128 new tokens by default), each round's ratios taken within the round:
+these machines are shared and noisy. The memory wall is the step's weight bytes at the read
+bandwidth measured in the same run.
 """
 from __future__ import annotations
 
@@ -26,14 +28,22 @@ class Setting:
     label: str
     chunks_per_thread: int
     prefetch_next: bool
+    prefetch_ahead: int = 0  # bytes
+
+    def apply(self, ext) -> None:
+        ext.set_bf16_decode_stream(self.chunks_per_thread, self.prefetch_next, self.prefetch_ahead)
 
 
-SETTINGS = (  # the default first: the ratios are to it
-    Setting("one run a thread (default)", 1, False),
-    Setting("4 chunks a thread", 4, False),
-    Setting("one run, next block prefetched", 1, True),
-    Setting("4 chunks, next block prefetched", 4, True),
-)
+DEFAULT_AHEAD = (1024, 4096, 16384)
+
+
+def settings(ahead: tuple[int, ...] = DEFAULT_AHEAD) -> tuple[Setting, ...]:
+    """The default first: the ratios are to it."""
+    return (Setting("one run a thread (default)", 1, False),
+            Setting("4 chunks a thread", 4, False),
+            Setting("one run, next block prefetched", 1, True),
+            *(Setting(f"one run, prefetched {a // 1024 if a % 1024 == 0 else a / 1024:g} KiB ahead", 1, False, a)
+              for a in ahead))
 
 
 def load(model: str | None, isa: str):
@@ -43,14 +53,15 @@ def load(model: str | None, isa: str):
     return LLM(str(resolve_model(model)), dtype="bfloat16", enable_prefix_caching=False, kernel_isa=isa)
 
 
-def run(model: str | None, isas: list[str], threads: list[int], rounds: int, prompt_len: int, new: int) -> str:
+def run(model: str | None, isas: list[str], threads: list[int], rounds: int, prompt_len: int, new: int,
+        ahead: tuple[int, ...] = DEFAULT_AHEAD) -> str:
     import torch
 
     from engine.bench import _kv_params, decode_tok_s, make_prompts, step_weight_bytes
     from engine.kernels import load_native_ops
     from engine.kscale_bench import read_gb_s
 
-    rows = []
+    rows, all_settings = [], settings(ahead)
     for isa in isas:
         ext = load_native_ops(isa)
         if ext is None:
@@ -60,31 +71,31 @@ def run(model: str | None, isas: list[str], threads: list[int], rounds: int, pro
         prompt = make_prompts(1, prompt_len, llm.model_config.vocab_size)[0]
         tokens = set()
         try:
-            for s in SETTINGS:
-                ext.set_bf16_decode_stream(s.chunks_per_thread, s.prefetch_next)
+            for s in all_settings:
+                s.apply(ext)
                 tokens.add(tuple(llm.generate(prompt, _kv_params(32))[0].token_ids))
             if len(tokens) != 1:
                 raise SystemExit(f"{isa}: the settings gave different greedy tokens; they must compute the same bits")
             for t in threads:
                 torch.set_num_threads(t)
                 wall = read_gb_s()
-                tok = {s: [] for s in SETTINGS}
+                tok = {s: [] for s in all_settings}
                 for r in range(rounds):
-                    for s in SETTINGS:
-                        ext.set_bf16_decode_stream(s.chunks_per_thread, s.prefetch_next)
+                    for s in all_settings:
+                        s.apply(ext)
                         llm.generate(prompt, _kv_params(8))
                         tok[s].append(decode_tok_s(llm.generate(prompt, _kv_params(new))[0]))
                         assert llm.core.pool.is_fully_free()
                     print(f"{isa} {t} thread(s) round {r + 1}/{rounds}: "
                           + ", ".join(f"{s.label} {v[-1]:.1f}" for s, v in tok.items()) + " tok/s", file=sys.stderr)
-                base = tok[SETTINGS[0]]
-                for s in SETTINGS:
+                base = tok[all_settings[0]]
+                for s in all_settings:
                     ratios = [a / b for a, b in zip(tok[s], base)]
                     med = statistics.median(tok[s])
                     rows.append(f"| {isa} | {t} | {s.label} | {med:.1f} | {100 * med * mb / 1e3 / wall:.0f}% "
                                 f"| {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** |")
         finally:
-            ext.set_bf16_decode_stream(SETTINGS[0].chunks_per_thread, SETTINGS[0].prefetch_next)
+            all_settings[0].apply(ext)
         del llm
     return (f"Bytes read per decode step: {mb:.4g} MB. Greedy tokens: the same under every setting (checked).\n\n"
             "| ISA path | threads | setting | tokens/s | of the wall | / default, each round | median |\n"
@@ -96,13 +107,22 @@ def main(argv: list[str] | None = None) -> int:
 
     p = side_by_side_parser("engine.decode_stream_bench", __doc__, SECTION)
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--ahead", default=",".join(map(str, DEFAULT_AHEAD)),
+                   help="prefetch distances to compare, bytes, comma-separated (multiples of 64, up to 1 MiB; "
+                        "empty: none)")
+    p.add_argument("--section", default=SECTION, help="with --write: the BENCHMARKS.md heading to write under instead")
     args = p.parse_args(argv)
-    isas, threads = comma_list(args.isa), comma_list(args.threads, int)
+    if not args.section.startswith("## "):
+        raise SystemExit(f"--section {args.section!r}: a BENCHMARKS.md section heading starts with '## '")
+    isas, threads, ahead = comma_list(args.isa), comma_list(args.threads, int), tuple(comma_list(args.ahead, int))
+    bad = [a for a in ahead if not (0 < a <= 1 << 20 and a % 64 == 0)]
+    if bad:
+        raise SystemExit(f"--ahead {bad[0]}: a prefetch distance must be a multiple of 64 bytes from 64 to 1048576")
     if not isas:
         raise SystemExit("no kernel ISA path to run: this CPU runs none (see engine/kernels.py)")
-    body = run(args.model, isas, threads, args.rounds, args.prompt_len, args.new_tokens)
+    body = run(args.model, isas, threads, args.rounds, args.prompt_len, args.new_tokens, ahead)
     command = command_line("engine.decode_stream_bench", argv)
-    text = (f"{SECTION}\n\nWritten by `engine/decode_stream_bench.py`. Single-stream bf16 decode "
+    text = (f"{args.section}\n\nWritten by `engine/decode_stream_bench.py`. Single-stream bf16 decode "
             f"({args.prompt_len}-token prompt, {args.new_tokens} new) of {args.model or 'the default model'}, "
             f"every setting in one process, interleaved rounds; the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")

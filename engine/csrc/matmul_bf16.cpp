@@ -23,6 +23,7 @@
 #include <array>
 #include <atomic>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -75,16 +76,21 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 }
 
 // How decode rows (at most one register tile: one tile a block) stream a matrix, process-wide:
-// the chunks of blocks a thread claims (par_for's per_thread: 1, one run of consecutive blocks a
-// thread, or more, claimed in turn), and whether each block's tile also fetches the block its
-// thread runs next into L2. Which is faster depends on the CPU's memory path; engine.
-// decode_stream_bench compares them on the machine at hand. The defaults are the fastest on a
-// Zen 4 (BENCHMARKS.md "bf16 decode: how a thread streams its weights"): at 2 threads one run a
-// thread beat four chunks by 1.06-1.09x (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16)
-// over three runs, as it did for the quantized matmul (matmul_quant.cpp); the prefetch lost 8-26%.
-// Same bits either way.
+// - the chunks of blocks a thread claims (par_for's per_thread: 1, one run of consecutive blocks a
+//   thread, or more, claimed in turn);
+// - what each block's tile fetches into L2 in software, spread over its k loop at the rate it
+//   reads: nothing, the block its thread runs next (prefetch_next), or its own stream a fixed
+//   distance ahead (prefetch_ahead bytes; past a matrix's end that is the next matrix the step
+//   reads, since the weights lie in the order they are read, engine/model.py _to_huge_pages).
+// Which is faster depends on the CPU's memory path; engine.decode_stream_bench compares them on
+// the machine at hand. The defaults are the fastest on a Zen 4 (BENCHMARKS.md "bf16 decode: how a
+// thread streams its weights"): at 2 threads one run a thread beat four chunks by 1.06-1.09x
+// (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16) over three runs, as it did for the
+// quantized matmul (matmul_quant.cpp); the next-block prefetch lost 8-26%. Same bits either way.
 std::atomic<int> g_decode_chunks{1};
 std::atomic<bool> g_decode_prefetch{false};
+std::atomic<int64_t> g_decode_ahead{0};
+constexpr int64_t kMaxAhead = 1 << 20;
 
 template <class Out>
 void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
@@ -140,16 +146,20 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
   // prefetches on top slow it (g_decode_prefetch, off by default).
   const bool decode = chunk_rows <= kMaxRows;
   const bool fetch_next = !decode || g_decode_prefetch.load(std::memory_order_relaxed);
+  const int64_t ahead = decode ? g_decode_ahead.load(std::memory_order_relaxed) : 0;  // (exclusive with fetch_next)
   par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t c = i / blocks, blk = i % blocks;
       const int64_t m0 = c * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
-      const bf16* next = fetch_next && i + 1 < b ? wp + (i + 1) % blocks * K * kCols : nullptr;
+      const bf16* wb = wp + blk * K * kCols;
+      const bf16* next = ahead ? reinterpret_cast<const bf16*>(reinterpret_cast<const char*>(wb) + ahead)
+                         : fetch_next && i + 1 < b ? wp + (i + 1) % blocks * K * kCols
+                                                   : nullptr;
       if (xp)
-        rows_x_block<Out, true>(xs + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
+        rows_x_block<Out, true>(xs + m0 * K, wb, y + m0 * N + blk * kCols, m1 - m0, K, N,
                                 std::min(kCols, N - blk * kCols), next);
       else if constexpr (std::is_same_v<XElem, bf16>)  // tiles that read rows of x in place
-        rows_x_block<Out, false>(x + m0 * K, wp + blk * K * kCols, y + m0 * N + blk * kCols, m1 - m0, K, N,
+        rows_x_block<Out, false>(x + m0 * K, wb, y + m0 * N + blk * kCols, m1 - m0, K, N,
                                  std::min(kCols, N - blk * kCols), next);
     }
   }, decode ? g_decode_chunks.load(std::memory_order_relaxed) : 4);  // (prefill: par_for's default)
@@ -165,14 +175,22 @@ void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what) {
               what, ": packed weight of shape ", w.sizes(), " is not a packed [", n, ", ", k, "] matrix");
 }
 
-void set_decode_stream(int chunks_per_thread, bool prefetch_next) {
+void set_decode_stream(int chunks_per_thread, bool prefetch_next, int64_t prefetch_ahead) {
   TORCH_CHECK(chunks_per_thread >= 1 && chunks_per_thread <= 64,
               "set_bf16_decode_stream: chunks_per_thread must be 1 to 64, not ", chunks_per_thread);
+  TORCH_CHECK(prefetch_ahead >= 0 && prefetch_ahead <= kMaxAhead && prefetch_ahead % 64 == 0,
+              "set_bf16_decode_stream: prefetch_ahead must be a multiple of 64 bytes from 0 to ", kMaxAhead,
+              ", not ", prefetch_ahead);
+  TORCH_CHECK(!(prefetch_next && prefetch_ahead), "set_bf16_decode_stream: prefetch_next and prefetch_ahead ",
+              "are two ways to prefetch; set one, not both");
   g_decode_chunks.store(chunks_per_thread);
   g_decode_prefetch.store(prefetch_next);
+  g_decode_ahead.store(prefetch_ahead);
 }
 
-std::pair<int, bool> decode_stream() { return {g_decode_chunks.load(), g_decode_prefetch.load()}; }
+std::tuple<int, bool, int64_t> decode_stream() {
+  return {g_decode_chunks.load(), g_decode_prefetch.load(), g_decode_ahead.load()};
+}
 
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
   matmul_impl(x, wp, y, M, K, N, threads);
