@@ -11,8 +11,8 @@ or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end 
 matrix the step reads). Every setting computes the same bits; which is fastest depends on the
 CPU's memory path. One model, every setting, in interleaved rounds of single-stream decode (a
 128-token prompt and 128 new tokens by default), each round's ratios taken within the round:
-these machines are shared and noisy. The memory wall is the step's weight bytes at the read
-bandwidth measured in the same run.
+these machines are shared and noisy. Each round starts one setting further on. The memory wall
+is the step's weight bytes at the read bandwidth measured in the same run.
 """
 from __future__ import annotations
 
@@ -81,7 +81,10 @@ def run(model: str | None, isas: list[str], threads: list[int], rounds: int, pro
                 wall = read_gb_s()
                 tok = {s: [] for s in all_settings}
                 for r in range(rounds):
-                    for s in all_settings:
+                    # Each round starts one setting further on, so no setting always follows the
+                    # same one (running right after a slow setting can lift or sink a figure).
+                    k = r % len(all_settings)
+                    for s in all_settings[k:] + all_settings[:k]:
                         s.apply(ext)
                         llm.generate(prompt, _kv_params(8))
                         tok[s].append(decode_tok_s(llm.generate(prompt, _kv_params(new))[0]))
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("engine.decode_stream_bench", argv)
     text = (f"{args.section}\n\nWritten by `engine/decode_stream_bench.py`. Single-stream bf16 decode "
             f"({args.prompt_len}-token prompt, {args.new_tokens} new) of {args.model or 'the default model'}, "
-            f"every setting in one process, interleaved rounds; the CPU runs {cpu_isa_text()}.\n\n{body}\n"
+            "every setting in one process, interleaved rounds (each starting one setting further on); "
+            f"the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")
     return publish(text, args.write)
 
