@@ -86,7 +86,9 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // the machine at hand. The defaults are the fastest on a Zen 4 (BENCHMARKS.md "bf16 decode: how a
 // thread streams its weights"): at 2 threads one run a thread beat four chunks by 1.06-1.09x
 // (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16) over three runs, as it did for the
-// quantized matmul (matmul_quant.cpp); the next-block prefetch lost 8-26%. Same bits either way.
+// quantized matmul (matmul_quant.cpp); the next-block prefetch lost 8-26%; prefetching the own
+// stream 256 B-1 KiB ahead was within 1-4% (noise), and 2 KiB or more lost up to 44% ("bf16
+// decode: a thread's own stream prefetched ahead"). Same bits either way.
 std::atomic<int> g_decode_chunks{1};
 std::atomic<bool> g_decode_prefetch{false};
 std::atomic<int64_t> g_decode_ahead{0};
