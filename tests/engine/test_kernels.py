@@ -191,6 +191,8 @@ def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkey
     assert load_native_ops(kernel_isa).bf16_decode_stream() == (1, False, 0)
     with pytest.raises(SystemExit, match="--ahead 100: a prefetch distance must be a multiple of 64"):
         decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--ahead", "4096,100"])
+    with pytest.raises(SystemExit, match="--section 'bf16 decode': a BENCHMARKS.md section heading starts with '## '"):
+        decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--section", "bf16 decode"])
 
 
 def test_linear_packed_rejects_a_mismatched_weight(native):
