@@ -52,6 +52,11 @@ def tiny_llm(folder: Path, kind: str = "llama", llm_kw: dict | None = None, **ov
     return LLM(str(folder), **dict({"dtype": "float32", "num_kv_blocks": 256}, **(llm_kw or {})))
 
 
+def rand_bf16(*shape, seed=0):
+    """A bf16 tensor of `shape` drawn from N(0, 1), the same for the same seed."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
 def random_prompts(n: int, vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

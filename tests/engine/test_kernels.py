@@ -13,18 +13,9 @@ from engine import kernels
 from engine.attention import BatchMetadata, _decode_attention
 from engine.kernels import NativeOps, PackedWeight, TorchOps, load_native_ops, make_ops
 from tests.conftest import require_isa
+from tests.engine.factories import rand_bf16
 
 
-@pytest.fixture(scope="session")
-def native(kernel_isa):
-    ext = load_native_ops(kernel_isa)
-    assert ext is not None, f"the {kernel_isa} kernels should build on a CPU that runs {kernel_isa}"
-    assert ext.isa == kernel_isa
-    return NativeOps(ext)
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def _close(got, ref, rtol=2 ** -6, atol=2e-2):
@@ -33,7 +24,7 @@ def _close(got, ref, rtol=2 ** -6, atol=2e-2):
 
 
 def test_packed_weight_round_trip():
-    w = _rand(70, 96, seed=1)  # 70 rows: two full blocks of 32 and a padded one
+    w = rand_bf16(70, 96, seed=1)  # 70 rows: two full blocks of 32 and a padded one
     p = PackedWeight.pack(w)
     assert p.data.shape == (3, 48, 32, 2) and p.shape == (70, 96)
     assert torch.equal(p.unpack(), w)
@@ -41,7 +32,7 @@ def test_packed_weight_round_trip():
     ids = torch.tensor([0, 31, 32, 69, 5, 5])
     assert torch.equal(p.rows(ids), w[ids])  # the embedding lookup of tied weights
     with pytest.raises(ValueError, match="even"):
-        PackedWeight.pack(_rand(4, 33))
+        PackedWeight.pack(rand_bf16(4, 33))
 
 
 @pytest.mark.parametrize("n, k", [(960, 576), (37, 64), (576, 1536), (100, 96), (65, 160), (49, 608), (1, 32)])
@@ -49,8 +40,8 @@ def test_packed_weight_round_trip():
 def test_linear_packed_every_row_count(native, n, k, f32_out):
     """M = 1..49 rows (every register tile size and the splits into tiles), N not a
     multiple of the 32-column blocks, K odd multiples of 32; bf16 and fp32 (LM head) out."""
-    w = PackedWeight.pack(_rand(n, k, seed=n))
-    xs = _rand(49, k, seed=k)
+    w = PackedWeight.pack(rand_bf16(n, k, seed=n))
+    xs = rand_bf16(49, k, seed=k)
     ref = F.linear(xs.float(), w.unpack().float())  # exact products of the bf16 inputs, fp32 sums
     for m in range(1, 50):
         x = xs[:m]
@@ -66,30 +57,30 @@ def test_linear_packed_every_row_count(native, n, k, f32_out):
                                      (1100, 33, 4096)])
 def test_linear_packed_prefill_sized(native, m, n, k):
     """Many rows (prefill; the last two in several chunks of rows): same numbers as the reference."""
-    w = PackedWeight.pack(_rand(n, k, seed=3))
-    x = _rand(m, k, seed=4)
+    w = PackedWeight.pack(rand_bf16(n, k, seed=3))
+    x = rand_bf16(m, k, seed=4)
     _close(native.linear(x, w), F.linear(x.float(), w.unpack().float()), atol=1e-3 * k ** 0.5)
 
 
 def test_linear_packed_rows_do_not_depend_on_the_batch(native):
     """Every row is summed in the same order whatever the batch size and the row's
     place in it, so a token's matmul output is bit-identical alone and in any batch."""
-    w = PackedWeight.pack(_rand(100, 576, seed=5))
-    x = _rand(300, 576, seed=6)
+    w = PackedWeight.pack(rand_bf16(100, 576, seed=5))
+    x = rand_bf16(300, 576, seed=6)
     full = native.linear(x, w)
     for lo, hi in [(0, 1), (7, 8), (3, 19), (10, 58), (0, 49), (299, 300), (13, 213)]:
         assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
         assert torch.equal(native.logits(x[lo:hi], w), native.logits(x, w)[lo:hi])
-    w = PackedWeight.pack(_rand(40, 14336, seed=5))  # 144 rows per chunk of rows
-    x = _rand(300, 14336, seed=6)
+    w = PackedWeight.pack(rand_bf16(40, 14336, seed=5))  # 144 rows per chunk of rows
+    x = rand_bf16(300, 14336, seed=6)
     full = native.linear(x, w)
     for lo, hi in [(0, 1), (140, 150), (143, 300)]:
         assert torch.equal(native.linear(x[lo:hi], w), full[lo:hi])
     # One row alone (a single-stream decode step) against the same row in a batch: an odd number
     # of blocks, a partial last block, and splits of the blocks across threads
     for n in (70, 37, 225):
-        w = PackedWeight.pack(_rand(n, 576, seed=n))
-        x = _rand(20, 576, seed=9)
+        w = PackedWeight.pack(rand_bf16(n, 576, seed=n))
+        x = rand_bf16(20, 576, seed=9)
         full = native.ext.linear_packed(x, w.data, w.n, threads=1)
         full32 = native.ext.linear_packed(x, w.data, w.n, f32_out=True, threads=1)
         for t in (1, 2):
@@ -100,7 +91,7 @@ def test_linear_packed_rows_do_not_depend_on_the_batch(native):
 
 
 def test_packed_rows_is_the_embedding_lookup(native):
-    w = _rand(70, 96, seed=1)
+    w = rand_bf16(70, 96, seed=1)
     p = PackedWeight.pack(w)
     ids = torch.tensor([0, 31, 32, 69, 5, 5, 64])
     assert torch.equal(native.embedding(ids, p), w[ids])
@@ -111,101 +102,28 @@ def test_packed_rows_is_the_embedding_lookup(native):
 
 
 def test_linear_packed_no_rows(native):
-    w = PackedWeight.pack(_rand(40, 64, seed=7))
-    assert native.linear(_rand(0, 64), w).shape == (0, 40)
+    w = PackedWeight.pack(rand_bf16(40, 64, seed=7))
+    assert native.linear(rand_bf16(0, 64), w).shape == (0, 40)
 
 
 def test_linear_packed_threads_agree(native):
-    w = PackedWeight.pack(_rand(333, 576, seed=7))
-    x = _rand(16, 576, seed=8)
+    w = PackedWeight.pack(rand_bf16(333, 576, seed=7))
+    x = rand_bf16(16, 576, seed=8)
     assert torch.equal(native.ext.linear_packed(x, w.data, w.n, threads=1),
                        native.ext.linear_packed(x, w.data, w.n, threads=2))
 
 
-@pytest.fixture
-def decode_stream(native):
-    """The bf16 decode stream setting of `native`'s module, put back to the default afterwards."""
-    default = native.ext.bf16_decode_stream()
-    assert default == (1, False, 0)  # one run of blocks a thread, no software prefetch
-    yield native.ext
-    native.ext.set_bf16_decode_stream(*default)
-
-
-@pytest.mark.parametrize("m", [1, 3, 6, 12, 13])
-def test_every_decode_stream_setting_gives_the_same_bits(native, decode_stream, m):
-    """How a thread streams its blocks (chunks a thread; the next block, or its own stream some bytes
-    ahead, prefetched) never changes a result. The setting applies to decode rows, up to one
-    register tile (6 rows on avx2, 12 on AVX-512); 13 rows are past it on every path."""
-    w = PackedWeight.pack(_rand(333, 576, seed=7))
-    x = _rand(m, 576, seed=8)
-    ref = {t: native.ext.linear_packed(x, w.data, w.n, f32_out=True, threads=t) for t in (1, 2)}
-    assert torch.equal(ref[1], ref[2])
-    for setting in [(4, False, 0), (1, True, 0), (4, True, 0), (2, False, 0), (64, True, 0), (1, False, 64),
-                    (1, False, 4096), (3, False, 1 << 20)]:
-        decode_stream.set_bf16_decode_stream(*setting)
-        assert decode_stream.bf16_decode_stream() == setting
-        for t in (1, 2):
-            assert torch.equal(native.ext.linear_packed(x, w.data, w.n, f32_out=True, threads=t), ref[t]), (setting, t)
-
-
-def test_a_bad_decode_stream_setting_is_refused_by_name(native, decode_stream):
-    for bad in (0, 65):
-        with pytest.raises(RuntimeError, match=f"chunks_per_thread must be 1 to 64, not {bad}"):
-            decode_stream.set_bf16_decode_stream(bad, False)
-    for bad in (-64, 100, (1 << 20) + 64):
-        with pytest.raises(RuntimeError, match=f"prefetch_ahead must be a multiple of 64 bytes from 0 to 1048576, "
-                                               f"not {bad}"):
-            decode_stream.set_bf16_decode_stream(1, False, bad)
-    with pytest.raises(RuntimeError, match="set one, not both"):
-        decode_stream.set_bf16_decode_stream(1, True, 4096)
-    assert decode_stream.bf16_decode_stream() == (1, False, 0)
-
-
-def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkeypatch):
-    """python -m engine.decode_stream_bench on a tiny model: every setting's tokens/s, its ratio to
-    the default within each round, the same greedy tokens, in its own section; the default is
-    restored after."""
-    import re
-
-    from engine import benchmarks_md, decode_stream_bench
-    from tests.engine.factories import save_tiny_model
-
-    save_tiny_model(tmp_path / "m", "llama")
-    md = tmp_path / "BENCHMARKS.md"
-    write = benchmarks_md.write_section
-    monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
-    assert decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--threads", "1,2",
-                                     "--rounds", "2", "--prompt-len", "16", "--new-tokens", "8", "--ahead", "512,8192",
-                                     "--write"]) == 0
-    text = md.read_text()
-    assert text.count(decode_stream_bench.SECTION) == 1 and "the same under every setting" in text
-    for t in (1, 2):
-        every = decode_stream_bench.settings((512, 8192))
-        assert [s.prefetch_ahead for s in every].count(0) == 3 and {s.prefetch_ahead for s in every} >= {512, 8192}
-        for s in every:
-            row = re.search(rf"^\| {kernel_isa} \| {t} \| {re.escape(s.label)} \| ([\d.]+) \| \d+% \| "
-                            rf"([\d.]+), ([\d.]+) \| \*\*([\d.]+)x\*\* \|$", text, re.M)
-            assert row and all(float(g) > 0 for g in row.groups()), (t, s, text)
-            if s == every[0]:
-                assert row.groups()[1:] == ("1.00", "1.00", "1.00")
-    assert load_native_ops(kernel_isa).bf16_decode_stream() == (1, False, 0)
-    with pytest.raises(SystemExit, match="--ahead 100: a prefetch distance must be a multiple of 64"):
-        decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--ahead", "4096,100"])
-    with pytest.raises(SystemExit, match="--section 'bf16 decode': a BENCHMARKS.md section heading starts with '## '"):
-        decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--section", "bf16 decode"])
-
-
 def test_linear_packed_rejects_a_mismatched_weight(native):
-    w = PackedWeight.pack(_rand(64, 96, seed=9))
+    w = PackedWeight.pack(rand_bf16(64, 96, seed=9))
     with pytest.raises(RuntimeError, match="packed"):
-        native.ext.linear_packed(_rand(2, 64), w.data, w.n)  # K 64 against a packed K of 96
+        native.ext.linear_packed(rand_bf16(2, 64), w.data, w.n)  # K 64 against a packed K of 96
     with pytest.raises(RuntimeError, match="packed"):
-        native.ext.linear_packed(_rand(2, 96), w.data, 65)  # 65 rows need 3 blocks
+        native.ext.linear_packed(rand_bf16(2, 96), w.data, 65)  # 65 rows need 3 blocks
 
 
 @pytest.mark.parametrize("t", [1, 4, 7])
 def test_add_rms_norm(native, t):
-    x, d, w = _rand(t, 576, seed=1), _rand(t, 576, seed=2), _rand(576, seed=3)
+    x, d, w = rand_bf16(t, 576, seed=1), rand_bf16(t, 576, seed=2), rand_bf16(576, seed=3)
     rx, rh = TorchOps.add_rms_norm(x.clone(), d, w, 1e-5)
     nx = x.clone()
     nx2, nh = native.add_rms_norm(nx, d, w, 1e-5)
@@ -214,7 +132,7 @@ def test_add_rms_norm(native, t):
 
 
 def test_silu_mul(native):
-    gu = _rand(5, 2 * 1536, seed=4)
+    gu = rand_bf16(5, 2 * 1536, seed=4)
     _close(native.silu_mul(gu), TorchOps.silu_mul(gu))
 
 
@@ -224,7 +142,7 @@ def test_rope_in_place_on_a_strided_view(native):
 
     cfg = ModelConfig("llama", 100, 576, 1536, 1, 9, 3, 64, rope_theta=100000.0)
     rot = Rotary(cfg, 256, torch.bfloat16, "cpu")
-    qkv = _rand(4, 15, 64, seed=5)  # a decode-sized batch takes the native path
+    qkv = rand_bf16(4, 15, 64, seed=5)  # a decode-sized batch takes the native path
     pos = torch.tensor([0, 17, 200, 255])
     ref = TorchOps.rope(rot, pos)(qkv[:, :12].clone())
     got = native.rope(rot, pos)(qkv[:, :12])
@@ -240,11 +158,11 @@ def test_an_error_on_a_worker_thread_reaches_the_caller(native):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        qk = _rand(64, 16, 520, seed=8)  # 1024 heads: two chunks of 512, one per thread
-        table = _rand(4, 520, seed=9)
+        qk = rand_bf16(64, 16, 520, seed=8)  # 1024 heads: two chunks of 512, one per thread
+        table = rand_bf16(4, 520, seed=9)
         with pytest.raises(RuntimeError, match="rope: head_dim > 512"):
             native.ext.rope_(qk, table, table, torch.zeros(64, dtype=torch.long), threads=2)
-        x = _rand(64, 576, seed=10)
+        x = rand_bf16(64, 576, seed=10)
         ref = native.ext.add_rms_norm(x.clone(), None, torch.ones(576).bfloat16(), 1e-5, threads=1)
         _close(native.ext.add_rms_norm(x.clone(), None, torch.ones(576).bfloat16(), 1e-5, threads=2), ref, 0, 0)
     finally:
@@ -253,7 +171,7 @@ def test_an_error_on_a_worker_thread_reaches_the_caller(native):
 
 def test_paged_decode_attention(native):
     num_blocks, bs, hkv, d, h = 40, 16, 3, 64, 9
-    kv = _rand(num_blocks, 2, bs, hkv, d, seed=6)
+    kv = rand_bf16(num_blocks, 2, bs, hkv, d, seed=6)
     lens = [1, 16, 17, 150]
     tables = torch.zeros(len(lens), 10, dtype=torch.long)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7))
@@ -264,7 +182,7 @@ def test_paged_decode_attention(native):
     meta = BatchMetadata(None, None, num_decode=len(lens), decode_block_tables=tables,
                          decode_context_lens=torch.tensor(lens))
     meta.decode_mask = (torch.arange(max_nb * bs)[None] < torch.tensor(lens)[:, None])[:, None, None, :]
-    q = _rand(len(lens), h, d, seed=8)
+    q = rand_bf16(len(lens), h, d, seed=8)
     _close(native.decode_attention(q, kv, meta, d ** -0.5), _decode_attention(q, kv, meta, d ** -0.5))
 
 
@@ -278,10 +196,10 @@ def test_paged_decode_attention_single_stream_splits_heads_with_the_same_bits(na
     A context over 512 tokens is attended in parts of 512 merged afterwards,
     alone or in a batch alike: the same bits either way, and torch's values."""
     num_blocks, bs, hkv, d, h = 24, 16, 3, 64, 9
-    kv = _rand(num_blocks, 2, bs, hkv, d, seed=16)
+    kv = rand_bf16(num_blocks, 2, bs, hkv, d, seed=16)
     width = -(-max(lens) // bs)
     tables = torch.arange(len(lens) * width).reshape(len(lens), width) % num_blocks
-    q = _rand(len(lens), h, d, seed=17)
+    q = rand_bf16(len(lens), h, d, seed=17)
 
     def run(rows):
         t = tables[rows]
@@ -336,7 +254,7 @@ def test_bf16_model_holds_its_matmul_weights_once_packed(tmp_path, tied, kernel_
     ids = torch.tensor([0, 95, 31, 32, 7])
     assert torch.equal(model.embed_tokens(ids), weights["model.embed_tokens.weight"][ids])
     head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    h = _rand(3, cfg.hidden_size, seed=10)
+    h = rand_bf16(3, cfg.hidden_size, seed=10)
     _close(model.compute_logits(h), F.linear(h.float(), head.float()), rtol=1e-5, atol=1e-4)
 
 
@@ -378,8 +296,8 @@ def test_the_isa_paths_give_the_same_answers(native):
     """Each path against the best one on the same weights: the same matmul to
     bf16 rounding (their sums differ in the last bits, not more)."""
     best = NativeOps(load_native_ops())
-    w = PackedWeight.pack(_rand(960, 576, seed=11))
-    x = _rand(20, 576, seed=12)
+    w = PackedWeight.pack(rand_bf16(960, 576, seed=11))
+    x = rand_bf16(20, 576, seed=12)
     _close(native.logits(x, w), best.logits(x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -446,8 +364,8 @@ def test_the_bf16_output_is_the_fp32_output_rounded_to_nearest_even(native):
     """Each path's bf16 results are its fp32 ones rounded as torch rounds them (the avx2
     and avx512 builds round in integer code; avx512bf16 with vcvtneps2bf16)."""
     for n, k in [(960, 576), (100, 96)]:
-        w = PackedWeight.pack(_rand(n, k, seed=n + 1))
-        x = _rand(70, k, seed=k + 1)
+        w = PackedWeight.pack(rand_bf16(n, k, seed=n + 1))
+        x = rand_bf16(70, k, seed=k + 1)
         for m in (1, 2, 7, 12, 13, 49, 70):
             assert torch.equal(native.linear(x[:m], w), native.logits(x[:m], w).bfloat16())
 
@@ -460,8 +378,8 @@ def test_the_widening_paths_give_the_same_bits():
         require_isa(isa)
     wide, narrow = NativeOps(load_native_ops("avx512")), NativeOps(load_native_ops("avx2"))
     for n, k in [(960, 576), (37, 64), (100, 1536)]:
-        w = PackedWeight.pack(_rand(n, k, seed=n + 2))
-        x = _rand(130, k, seed=k + 2)
+        w = PackedWeight.pack(rand_bf16(n, k, seed=n + 2))
+        x = rand_bf16(130, k, seed=k + 2)
         for m in list(range(1, 26)) + [49, 64, 130]:
             assert torch.equal(wide.logits(x[:m], w), narrow.logits(x[:m], w)), (n, k, m)
             assert torch.equal(wide.linear(x[:m], w), narrow.linear(x[:m], w)), (n, k, m)
