@@ -3,6 +3,7 @@ section and replaces it whole, ending its figures with the same provenance
 lines (the command, when, and on what machine)."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -52,9 +53,8 @@ def command_line(module: str, argv: list[str] | None) -> str:
 def side_by_side_parser(module: str, doc: str, section: str, single_stream: bool = True):
     """The parser of a benchmark that runs its variants side by side in one process: the kernel
     ISA paths and thread counts to run (comma-separated; comma_list), interleaved rounds, --write
-    (its `section` of BENCHMARKS.md) and, for single-stream decode, the prompt and new tokens."""
-    import argparse
-
+    and --section (the BENCHMARKS.md heading it writes under, `section` unless another is named,
+    as for another CPU's figures) and, for single-stream decode, the prompt and new tokens."""
     from engine.kernels import cpu_isas
 
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
@@ -64,8 +64,16 @@ def side_by_side_parser(module: str, doc: str, section: str, single_stream: bool
     if single_stream:
         p.add_argument("--prompt-len", type=int, default=128)
         p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--write", action="store_true", help=f"replace the section {section!r} of BENCHMARKS.md")
+    p.add_argument("--write", action="store_true", help="replace the section --section of BENCHMARKS.md")
+    p.add_argument("--section", type=_heading, default=section,
+                   help=f"the heading to write under (default {section!r})")
     return p
+
+
+def _heading(text: str) -> str:
+    if not text.startswith("## "):
+        raise argparse.ArgumentTypeError(f"{text!r}: a BENCHMARKS.md section heading starts with '## '")
+    return text
 
 
 def comma_list(text: str, fn=str) -> list:

@@ -42,7 +42,7 @@ def settings(ahead: tuple[int, ...] = DEFAULT_AHEAD) -> tuple[Setting, ...]:
     return (Setting("one run a thread (default)", 1, False),
             Setting("4 chunks a thread", 4, False),
             Setting("one run, next block prefetched", 1, True),
-            *(Setting(f"one run, prefetched {a // 1024 if a % 1024 == 0 else a / 1024:g} KiB ahead", 1, False, a)
+            *(Setting(f"one run, prefetched {a / 1024:g} KiB ahead", 1, False, a)
               for a in ahead))
 
 
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", default=",".join(map(str, DEFAULT_AHEAD)),
                    help="prefetch distances to compare, bytes, comma-separated (multiples of 64, up to 1 MiB; "
                         "empty: none)")
-    p.add_argument("--section", default=SECTION, help="with --write: the BENCHMARKS.md heading to write under instead")
     args = p.parse_args(argv)
-    if not args.section.startswith("## "):
-        raise SystemExit(f"--section {args.section!r}: a BENCHMARKS.md section heading starts with '## '")
     isas, threads, ahead = comma_list(args.isa), comma_list(args.threads, int), tuple(comma_list(args.ahead, int))
     bad = [a for a in ahead if not (0 < a <= 1 << 20 and a % 64 == 0)]
     if bad:

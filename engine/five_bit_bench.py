@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         body = run(path, isas, threads, args.rounds, args.prompt_len, args.new_tokens)
     what = "the default model in llama.cpp's Q4_K_M layout" if args.model is None else args.model.name
     command = command_line("engine.five_bit_bench", argv)
-    text = (f"{SECTION}\n\nWritten by `engine/five_bit_bench.py`. Single-stream decode ({args.prompt_len}-token prompt, "
-            f"{args.new_tokens} new) of {what}, "
+    text = (f"{args.section}\n\nWritten by `engine/five_bit_bench.py`. Single-stream decode "
+            f"({args.prompt_len}-token prompt, {args.new_tokens} new) of {what}, "
             f"both forms in one process, interleaved rounds; the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")
     return publish(text, args.write)

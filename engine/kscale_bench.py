@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     body = run(comma_list(args.types), comma_list(args.isa), comma_list(args.threads, int), comma_list(args.rows, int),
                args.rounds, args.reps, args.shrink)
     command = command_line("engine.kscale_bench", argv)
-    text = (f"{SECTION}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
+    text = (f"{args.section}\n\nWritten by `engine/kscale_bench.py`: one decode step's matmuls for a layer of a "
             "Llama-3-8B-shaped model (218M weights), every matrix in one GGUF type, as held now (k-quant scales "
             "as stored: 4-, 6- or 8-bit codes and fp32 factors per 256 k; Q4_0 as signed nibbles) and as held "
             "before (k-quant scales multiplied out to fp32, Q2_K and Q3_K being refused then; Q4_0 with an fp16 "
