@@ -9,8 +9,9 @@ as one run of consecutive blocks (the default) or claims them in four chunks in 
 block's tile fetches into L2 in software nothing (the default), the block its thread runs next,
 or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end that is the next
 matrix the step reads). Every setting computes the same bits; which is fastest depends on the
-CPU's memory path. One model, every setting, in interleaved rounds of single-stream decode (a
-128-token prompt and 128 new tokens by default), each round's ratios taken within the round:
+CPU's memory path. One model, every setting, in interleaved rounds of decode (a 128-token prompt
+and 128 new tokens by default; `--batch 1,4` also times 4 sequences decoded together, which take the
+same tile up to one register tile of rows: 6 on avx2, 12 on AVX-512), each round's ratios taken within the round:
 these machines are shared and noisy. Each round starts one setting further on. The memory wall
 is the step's weight bytes at the read bandwidth measured in the same run.
 """
@@ -53,11 +54,18 @@ def load(model: str | None, isa: str):
     return LLM(str(resolve_model(model)), dtype="bfloat16", enable_prefix_caching=False, kernel_isa=isa)
 
 
+def batch_decode_tok_s(outs) -> float:
+    """Decode rate of sequences generated together to the same length: every token after the last
+    one's first, over the time all of them decoded together (one row each a step)."""
+    start = max(o.metrics["ttft"] for o in outs)
+    return len(outs) * (len(outs[0].token_ids) - 1) / (max(o.metrics["e2e"] for o in outs) - start)
+
+
 def run(model: str | None, isas: list[str], threads: list[int], rounds: int, prompt_len: int, new: int,
-        ahead: tuple[int, ...] = DEFAULT_AHEAD) -> str:
+        ahead: tuple[int, ...] = DEFAULT_AHEAD, batches: tuple[int, ...] = (1,)) -> str:
     import torch
 
-    from engine.bench import _kv_params, decode_tok_s, make_prompts, step_weight_bytes
+    from engine.bench import _kv_params, make_prompts, step_weight_bytes
     from engine.kernels import load_native_ops
     from engine.kscale_bench import read_gb_s
 
@@ -79,30 +87,36 @@ def run(model: str | None, isas: list[str], threads: list[int], rounds: int, pro
             for t in threads:
                 torch.set_num_threads(t)
                 wall = read_gb_s()
-                tok = {s: [] for s in all_settings}
-                for r in range(rounds):
-                    # Each round starts one setting further on, so no setting always follows the
-                    # same one (running right after a slow setting can lift or sink a figure).
-                    k = r % len(all_settings)
-                    for s in all_settings[k:] + all_settings[:k]:
-                        s.apply(ext)
-                        llm.generate(prompt, _kv_params(8))
-                        tok[s].append(decode_tok_s(llm.generate(prompt, _kv_params(new))[0]))
-                        assert llm.core.pool.is_fully_free()
-                    print(f"{isa} {t} thread(s) round {r + 1}/{rounds}: "
-                          + ", ".join(f"{s.label} {v[-1]:.1f}" for s, v in tok.items()) + " tok/s", file=sys.stderr)
-                base = tok[all_settings[0]]
-                for s in all_settings:
-                    ratios = [a / b for a, b in zip(tok[s], base)]
-                    med = statistics.median(tok[s])
-                    rows.append(f"| {isa} | {t} | {s.label} | {med:.1f} | {100 * med * mb / 1e3 / wall:.0f}% "
-                                f"| {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** |")
+                for b in batches:
+                    seqs = [prompt] + make_prompts(b - 1, prompt_len, llm.model_config.vocab_size, seed=1)
+                    tok = {s: [] for s in all_settings}
+                    for r in range(rounds):
+                        # Each round starts one setting further on, so no setting always follows the
+                        # same one (running right after a slow setting can lift or sink a figure).
+                        k = r % len(all_settings)
+                        for s in all_settings[k:] + all_settings[:k]:
+                            s.apply(ext)
+                            llm.generate(seqs, _kv_params(8))
+                            tok[s].append(batch_decode_tok_s(llm.generate(seqs, _kv_params(new))))
+                            assert llm.core.pool.is_fully_free()
+                        print(f"{isa} {t} thread(s) {b} row(s) round {r + 1}/{rounds}: "
+                              + ", ".join(f"{s.label} {v[-1]:.1f}" for s, v in tok.items()) + " tok/s",
+                              file=sys.stderr)
+                    base = tok[all_settings[0]]
+                    for s in all_settings:
+                        ratios = [a / b for a, b in zip(tok[s], base)]
+                        med = statistics.median(tok[s])
+                        rows.append(f"| {isa} | {t} | {b} | {s.label} | {med:.1f} | "
+                                    f"{100 * med / b * mb / 1e3 / wall:.0f}% "
+                                    f"| {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** |")
         finally:
             all_settings[0].apply(ext)
         del llm
     return (f"Bytes read per decode step: {mb:.4g} MB. Greedy tokens: the same under every setting (checked).\n\n"
-            "| ISA path | threads | setting | tokens/s | of the wall | / default, each round | median |\n"
-            "|---|---:|---|---:|---:|---|---:|\n" + "\n".join(rows) + "\n")
+            "Rows: sequences decoded together, a row each a step; tokens/s counts them all, and the wall's share is a\n"
+            "step's (the weights are read once a step, whatever the rows).\n\n"
+            "| ISA path | threads | rows | setting | tokens/s | of the wall | / default, each round | median |\n"
+            "|---|---:|---:|---|---:|---:|---|---:|\n" + "\n".join(rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,17 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", default=",".join(map(str, DEFAULT_AHEAD)),
                    help="prefetch distances to compare, bytes, comma-separated (multiples of 64, up to 1 MiB; "
                         "empty: none)")
+    p.add_argument("--batch", default="1",
+                   help="sequences decoded together, comma-separated (1 to 12: the rows one register tile takes)")
     args = p.parse_args(argv)
     isas, threads, ahead = comma_list(args.isa), comma_list(args.threads, int), tuple(comma_list(args.ahead, int))
+    batches = tuple(comma_list(args.batch, int))
+    if not batches or any(not 1 <= b <= 12 for b in batches):
+        raise SystemExit(f"--batch {args.batch}: each batch must be 1 to 12 sequences (the rows a decode tile takes)")
     bad = [a for a in ahead if not (0 < a <= 1 << 20 and a % 64 == 0)]
     if bad:
         raise SystemExit(f"--ahead {bad[0]}: a prefetch distance must be a multiple of 64 bytes from 64 to 1048576")
     if not isas:
         raise SystemExit("no kernel ISA path to run: this CPU runs none (see engine/kernels.py)")
-    body = run(args.model, isas, threads, args.rounds, args.prompt_len, args.new_tokens, ahead)
+    body = run(args.model, isas, threads, args.rounds, args.prompt_len, args.new_tokens, ahead, batches)
     command = command_line("engine.decode_stream_bench", argv)
-    text = (f"{args.section}\n\nWritten by `engine/decode_stream_bench.py`. Single-stream bf16 decode "
-            f"({args.prompt_len}-token prompt, {args.new_tokens} new) of {args.model or 'the default model'}, "
+    text = (f"{args.section}\n\nWritten by `engine/decode_stream_bench.py`. bf16 decode, "
+            f"{' and '.join(map(str, batches))} sequence(s) at once ({args.prompt_len}-token prompts, "
+            f"{args.new_tokens} new), of {args.model or 'the default model'}, "
             "every setting in one process, interleaved rounds (each starting one setting further on); "
             f"the CPU runs {cpu_isa_text()}.\n\n{body}\n"
             f"{provenance(command)}\n")

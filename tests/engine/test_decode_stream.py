@@ -3,6 +3,7 @@
 engine.decode_stream_bench compares them. Each test runs once per kernel ISA path the CPU runs."""
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -64,21 +65,23 @@ def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkey
     monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
     assert decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--threads", "1,2",
                                      "--rounds", "2", "--prompt-len", "16", "--new-tokens", "8", "--ahead", "512,8192",
-                                     "--write"]) == 0
+                                     "--batch", "1,3", "--write"]) == 0
     text = md.read_text()
     assert text.count(decode_stream_bench.SECTION) == 1 and "the same under every setting" in text
     every = decode_stream_bench.settings((512, 8192))
     assert [s.prefetch_ahead for s in every].count(0) == 3 and {s.prefetch_ahead for s in every} >= {512, 8192}
-    for t in (1, 2):
+    for t, b in itertools.product((1, 2), (1, 3)):
         for s in every:
-            row = re.search(rf"^\| {kernel_isa} \| {t} \| {re.escape(s.label)} \| ([\d.]+) \| \d+% \| "
+            row = re.search(rf"^\| {kernel_isa} \| {t} \| {b} \| {re.escape(s.label)} \| ([\d.]+) \| \d+% \| "
                             rf"([\d.]+), ([\d.]+) \| \*\*([\d.]+)x\*\* \|$", text, re.M)
-            assert row and all(float(g) > 0 for g in row.groups()), (t, s, text)
+            assert row and all(float(g) > 0 for g in row.groups()), (t, b, s, text)
             if s == every[0]:
                 assert row.groups()[1:] == ("1.00", "1.00", "1.00")
     assert load_native_ops(kernel_isa).bf16_decode_stream() == (1, False, 0)
     with pytest.raises(SystemExit, match="--ahead 100: a prefetch distance must be a multiple of 64"):
         decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--ahead", "4096,100"])
+    with pytest.raises(SystemExit, match="--batch 4,13: each batch must be 1 to 12 sequences"):
+        decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--batch", "4,13"])
     with pytest.raises(SystemExit):
         decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--section", "bf16 decode"])
     assert "--section: 'bf16 decode': a BENCHMARKS.md section heading starts with '## '" in capsys.readouterr().err
