@@ -6,14 +6,16 @@
 A bf16 matmul of decode rows (one register tile a block of 32 columns) can stream a matrix in
 several ways (engine/csrc/matmul_bf16.cpp, `set_bf16_decode_stream`): each thread takes its blocks
 as one run of consecutive blocks (the default) or claims them in four chunks in turn, and each
-block's tile fetches into L2 in software nothing (the default), the block its thread runs next,
-or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end that is the next
-matrix the step reads). Every setting computes the same bits; which is fastest depends on the
-CPU's memory path. One model, every setting, in interleaved rounds of decode (a 128-token prompt
-and 128 new tokens by default; `--batch 1,4` also times 4 sequences decoded together, which take the
-same tile up to one register tile of rows: 6 on avx2, 12 on AVX-512), each round's ratios taken within the round:
-these machines are shared and noisy. Each round starts one setting further on. The memory wall
-is the step's weight bytes at the read bandwidth measured in the same run.
+block's tile fetches into L2 in software nothing, the block its thread runs next (by default in
+matmuls of at least a number of rows each ISA path sets, the one each setting's label names; or at
+any rows), or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end that is
+the next matrix the step reads). Every setting computes the same bits; which is fastest depends on
+the CPU's memory path and on the rows. One model, every setting, in interleaved rounds of decode (a
+128-token prompt and 128 new tokens by default; `--batch 1,4` also times 4 sequences decoded
+together: up to one register tile of rows, 6 on avx2 and 12 on AVX-512, they take the same
+setting), each round's ratios taken within the round: these machines are shared and noisy. Each
+round starts one setting further on. The memory wall is the step's weight bytes at the read
+bandwidth measured in the same run.
 """
 from __future__ import annotations
 
@@ -28,22 +30,24 @@ SECTION = "## bf16 decode: how a thread streams its weights"
 class Setting:
     label: str
     chunks_per_thread: int
-    prefetch_next: bool
+    prefetch_next_from: int  # rows (0: never)
     prefetch_ahead: int = 0  # bytes
 
     def apply(self, ext) -> None:
-        ext.set_bf16_decode_stream(self.chunks_per_thread, self.prefetch_next, self.prefetch_ahead)
+        ext.set_bf16_decode_stream(self.chunks_per_thread, self.prefetch_next_from, self.prefetch_ahead)
 
 
 DEFAULT_AHEAD = (1024, 4096, 16384)
 
 
-def settings(ahead: tuple[int, ...] = DEFAULT_AHEAD) -> tuple[Setting, ...]:
-    """The default first: the ratios are to it."""
-    return (Setting("one run a thread (default)", 1, False),
-            Setting("4 chunks a thread", 4, False),
-            Setting("one run, next block prefetched", 1, True),
-            *(Setting(f"one run, prefetched {a / 1024:g} KiB ahead", 1, False, a)
+def settings(default: tuple[int, int, int], ahead: tuple[int, ...] = DEFAULT_AHEAD) -> tuple[Setting, ...]:
+    """The ISA path's default first (`default_bf16_decode_stream()`): the ratios are to it."""
+    chunks, start, _ = default
+    return (Setting(f"default: one run a thread, next block from {start} rows", chunks, start),
+            Setting("4 chunks a thread", 4, start),
+            Setting("one run, no prefetch", 1, 0),
+            Setting("one run, next block at any rows", 1, 1),
+            *(Setting(f"one run, prefetched {a / 1024:g} KiB ahead", 1, 0, a)
               for a in ahead))
 
 
@@ -69,11 +73,12 @@ def run(model: str | None, isas: list[str], threads: list[int], rounds: int, pro
     from engine.kernels import load_native_ops
     from engine.kscale_bench import read_gb_s
 
-    rows, all_settings = [], settings(ahead)
+    rows = []
     for isa in isas:
         ext = load_native_ops(isa)
         if ext is None:
             raise SystemExit(f"--isa {isa}: this CPU does not run it (or it did not build)")
+        all_settings = settings(ext.default_bf16_decode_stream(), ahead)
         llm = load(model, isa)
         mb = step_weight_bytes(llm.core.model) / 1e6
         prompt = make_prompts(1, prompt_len, llm.model_config.vocab_size)[0]

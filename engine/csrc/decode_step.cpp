@@ -242,8 +242,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   // how bf16 matmuls of decode rows stream their weights (matmul_bf16.cpp; engine.decode_stream_bench)
   m.def("set_bf16_decode_stream", &kvrelay::set_decode_stream, py::arg("chunks_per_thread"),
-        py::arg("prefetch_next"), py::arg("prefetch_ahead") = 0);
+        py::arg("prefetch_next_from"), py::arg("prefetch_ahead") = 0);
   m.def("bf16_decode_stream", &kvrelay::decode_stream);
+  m.def("default_bf16_decode_stream", &kvrelay::default_decode_stream);
   py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
       .def(py::init(&kvrelay::make_bf16_decoder))
       .def("forward", &kvrelay::Bf16Decoder::forward, release());

@@ -133,6 +133,8 @@ struct Vec {
 struct MatmulTile {
   using XElem = bf16;
   static constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 broadcast
+  // decode rows from which a tile fetches its thread's next block (matmul_bf16.cpp g_decode_prefetch_from)
+  static constexpr int kPrefetchFromRows = 8;
   static constexpr bool kBlocksK = false;  // several tiles re-read the block from L1/L2, one after another
   static bool packs_x(int64_t M) { return M > 4 * kMaxRows; }
   struct Block {  // what the tiles of one block read: the packed block itself
@@ -285,6 +287,8 @@ struct WidenTile {
   static constexpr int kL = Vec::kLanes;
   static constexpr int kFull = kPackedCols / kL;  // vectors of a block's 32 columns
   static constexpr int kMaxRows = Vec::kRegs == 32 ? 12 : 6;
+  // decode rows from which a tile fetches its thread's next block (matmul_bf16.cpp g_decode_prefetch_from)
+  static constexpr int kPrefetchFromRows = Vec::kRegs == 32 ? 3 : 2;
   // rows of a chunk_rows group: kFull accumulators each, beside kFull weights and a broadcast
   static constexpr int kGroupRows = Vec::kRegs == 32 ? 8 : 3;
   static constexpr bool kBlocksK = true;  // rows_x_block hands several tiles to tiles_k_blocked

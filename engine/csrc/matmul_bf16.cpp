@@ -79,18 +79,24 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // - the chunks of blocks a thread claims (par_for's per_thread: 1, one run of consecutive blocks a
 //   thread, or more, claimed in turn);
 // - what each block's tile fetches into L2 in software, spread over its k loop at the rate it
-//   reads: nothing, the block its thread runs next (prefetch_next), or its own stream a fixed
-//   distance ahead (prefetch_ahead bytes; past a matrix's end that is the next matrix the step
-//   reads, since the weights lie in the order they are read, engine/model.py _to_huge_pages).
+//   reads: nothing, the block its thread runs next (for matmuls of prefetch_next_from rows or
+//   more; 0: none), or its own stream a fixed distance ahead (prefetch_ahead bytes; past a
+//   matrix's end that is the next matrix the step reads, since the weights lie in the order they
+//   are read, engine/model.py _to_huge_pages).
 // Which is faster depends on the CPU's memory path; engine.decode_stream_bench compares them on
 // the machine at hand. The defaults are the fastest on a Zen 4 (BENCHMARKS.md "bf16 decode: how a
 // thread streams its weights"): at 2 threads one run a thread beat four chunks by 1.06-1.09x
 // (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16) over three runs, as it did for the
-// quantized matmul (matmul_quant.cpp); the next-block prefetch lost 8-26%; prefetching the own
-// stream 256 B-1 KiB ahead was within 1-4% (noise), and 2 KiB or more lost up to 44% ("bf16
-// decode: a thread's own stream prefetched ahead"). Same bits either way.
+// quantized matmul (matmul_quant.cpp); prefetching the own stream 256 B-1 KiB ahead was within
+// 1-4% (noise), and 2 KiB or more lost up to 44% ("bf16 decode: a thread's own stream prefetched
+// ahead"). The next-block prefetch costs one row 11-27%, but pays once a block takes a tile long
+// enough to compute that memory would idle meanwhile (BENCHMARKS.md "bf16 decode of several rows,
+// before the next block was prefetched for them" and "..., reading it"), so kPrefetchFromRows
+// (isa.h) sets from how many rows, per tile: avx2 from 2 (2-6 rows 1.5-2.0x; its tile takes a block
+// in 2-4 passes past one row), avx512 from 3 (3-12 rows 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16
+// from 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x). Same bits either way.
 std::atomic<int> g_decode_chunks{1};
-std::atomic<bool> g_decode_prefetch{false};
+std::atomic<int> g_decode_prefetch_from{MatmulTile::kPrefetchFromRows};
 std::atomic<int64_t> g_decode_ahead{0};
 constexpr int64_t kMaxAhead = 1 << 20;
 
@@ -144,10 +150,10 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
   }
   // Past one tile, a block takes long enough to compute that memory would sit idle while it is
   // re-read from L2; fetch the next one meanwhile (16 rows: 12.8 -> 11.7 ms for a step's
-  // matmuls). Up to one tile (decode) the hardware prefetcher keeps up on a Zen 4, and software
-  // prefetches on top slow it (g_decode_prefetch, off by default).
+  // matmuls). Decode rows (one tile) do too from g_decode_prefetch_from rows on.
   const bool decode = chunk_rows <= kMaxRows;
-  const bool fetch_next = !decode || g_decode_prefetch.load(std::memory_order_relaxed);
+  const int from = g_decode_prefetch_from.load(std::memory_order_relaxed);
+  const bool fetch_next = !decode || (from > 0 && M >= from);
   const int64_t ahead = decode ? g_decode_ahead.load(std::memory_order_relaxed) : 0;  // (exclusive with fetch_next)
   par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
@@ -177,22 +183,27 @@ void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* what) {
               what, ": packed weight of shape ", w.sizes(), " is not a packed [", n, ", ", k, "] matrix");
 }
 
-void set_decode_stream(int chunks_per_thread, bool prefetch_next, int64_t prefetch_ahead) {
+void set_decode_stream(int chunks_per_thread, int prefetch_next_from, int64_t prefetch_ahead) {
   TORCH_CHECK(chunks_per_thread >= 1 && chunks_per_thread <= 64,
               "set_bf16_decode_stream: chunks_per_thread must be 1 to 64, not ", chunks_per_thread);
+  TORCH_CHECK(prefetch_next_from >= 0 && prefetch_next_from <= kMaxRows,
+              "set_bf16_decode_stream: prefetch_next_from must be 0 (never) to ", kMaxRows,
+              " (the rows of one tile), not ", prefetch_next_from);
   TORCH_CHECK(prefetch_ahead >= 0 && prefetch_ahead <= kMaxAhead && prefetch_ahead % 64 == 0,
               "set_bf16_decode_stream: prefetch_ahead must be a multiple of 64 bytes from 0 to ", kMaxAhead,
               ", not ", prefetch_ahead);
-  TORCH_CHECK(!(prefetch_next && prefetch_ahead), "set_bf16_decode_stream: prefetch_next and prefetch_ahead ",
-              "are two ways to prefetch; set one, not both");
+  TORCH_CHECK(!(prefetch_next_from && prefetch_ahead), "set_bf16_decode_stream: prefetch_next_from and ",
+              "prefetch_ahead are two ways to prefetch; set one, not both");
   g_decode_chunks.store(chunks_per_thread);
-  g_decode_prefetch.store(prefetch_next);
+  g_decode_prefetch_from.store(prefetch_next_from);
   g_decode_ahead.store(prefetch_ahead);
 }
 
-std::tuple<int, bool, int64_t> decode_stream() {
-  return {g_decode_chunks.load(), g_decode_prefetch.load(), g_decode_ahead.load()};
+std::tuple<int, int, int64_t> decode_stream() {
+  return {g_decode_chunks.load(), g_decode_prefetch_from.load(), g_decode_ahead.load()};
 }
+
+std::tuple<int, int, int64_t> default_decode_stream() { return {1, MatmulTile::kPrefetchFromRows, 0}; }
 
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
   matmul_impl(x, wp, y, M, K, N, threads);

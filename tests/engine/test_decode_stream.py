@@ -17,7 +17,9 @@ from tests.engine.factories import rand_bf16
 def decode_stream(native):
     """The bf16 decode stream setting of `native`'s module, put back to the default afterwards."""
     default = native.ext.bf16_decode_stream()
-    assert default == (1, False, 0)  # one run of blocks a thread, no software prefetch
+    # one run of blocks a thread; the next block fetched in software from some rows on, within one tile
+    assert default == native.ext.default_bf16_decode_stream()
+    assert default[0] == 1 and 1 < default[1] <= (6 if native.ext.isa == "avx2" else 12) and default[2] == 0
     yield native.ext
     native.ext.set_bf16_decode_stream(*default)
 
@@ -31,8 +33,8 @@ def test_every_decode_stream_setting_gives_the_same_bits(native, decode_stream, 
     x = rand_bf16(m, 576, seed=8)
     ref = {t: native.ext.linear_packed(x, w.data, w.n, f32_out=True, threads=t) for t in (1, 2)}
     assert torch.equal(ref[1], ref[2])
-    for setting in [(4, False, 0), (1, True, 0), (4, True, 0), (2, False, 0), (64, True, 0), (1, False, 64),
-                    (1, False, 4096), (3, False, 1 << 20)]:
+    for setting in [(4, 0, 0), (1, 1, 0), (4, 1, 0), (2, 0, 0), (64, 1, 0), (1, 3, 0), (1, 6, 0), (1, 0, 64),
+                    (1, 0, 4096), (3, 0, 1 << 20)]:
         decode_stream.set_bf16_decode_stream(*setting)
         assert decode_stream.bf16_decode_stream() == setting
         for t in (1, 2):
@@ -40,16 +42,22 @@ def test_every_decode_stream_setting_gives_the_same_bits(native, decode_stream, 
 
 
 def test_a_bad_decode_stream_setting_is_refused_by_name(native, decode_stream):
+    default = decode_stream.bf16_decode_stream()
     for bad in (0, 65):
         with pytest.raises(RuntimeError, match=f"chunks_per_thread must be 1 to 64, not {bad}"):
-            decode_stream.set_bf16_decode_stream(bad, False)
+            decode_stream.set_bf16_decode_stream(bad, 0)
+    tile = 6 if native.ext.isa == "avx2" else 12
+    for bad in (-1, tile + 1):
+        with pytest.raises(RuntimeError, match=rf"prefetch_next_from must be 0 \(never\) to {tile} \(the rows of "
+                                               rf"one tile\), not {bad}"):
+            decode_stream.set_bf16_decode_stream(1, bad)
     for bad in (-64, 100, (1 << 20) + 64):
         with pytest.raises(RuntimeError, match=f"prefetch_ahead must be a multiple of 64 bytes from 0 to 1048576, "
                                                f"not {bad}"):
-            decode_stream.set_bf16_decode_stream(1, False, bad)
+            decode_stream.set_bf16_decode_stream(1, 0, bad)
     with pytest.raises(RuntimeError, match="set one, not both"):
-        decode_stream.set_bf16_decode_stream(1, True, 4096)
-    assert decode_stream.bf16_decode_stream() == (1, False, 0)
+        decode_stream.set_bf16_decode_stream(1, 2, 4096)
+    assert decode_stream.bf16_decode_stream() == default
 
 
 def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkeypatch, capsys):
@@ -68,8 +76,10 @@ def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkey
                                      "--batch", "1,3", "--write"]) == 0
     text = md.read_text()
     assert text.count(decode_stream_bench.SECTION) == 1 and "the same under every setting" in text
-    every = decode_stream_bench.settings((512, 8192))
-    assert [s.prefetch_ahead for s in every].count(0) == 3 and {s.prefetch_ahead for s in every} >= {512, 8192}
+    default = load_native_ops(kernel_isa).default_bf16_decode_stream()
+    every = decode_stream_bench.settings(default, (512, 8192))
+    assert [s.prefetch_ahead for s in every].count(0) == 4 and {s.prefetch_ahead for s in every} >= {512, 8192}
+    assert {s.prefetch_next_from for s in every} == {default[1], 0, 1}
     for t, b in itertools.product((1, 2), (1, 3)):
         for s in every:
             row = re.search(rf"^\| {kernel_isa} \| {t} \| {b} \| {re.escape(s.label)} \| ([\d.]+) \| \d+% \| "
@@ -77,7 +87,7 @@ def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkey
             assert row and all(float(g) > 0 for g in row.groups()), (t, b, s, text)
             if s == every[0]:
                 assert row.groups()[1:] == ("1.00", "1.00", "1.00")
-    assert load_native_ops(kernel_isa).bf16_decode_stream() == (1, False, 0)
+    assert load_native_ops(kernel_isa).bf16_decode_stream() == default
     with pytest.raises(SystemExit, match="--ahead 100: a prefetch distance must be a multiple of 64"):
         decode_stream_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--ahead", "4096,100"])
     with pytest.raises(SystemExit, match="--batch 4,13: each batch must be 1 to 12 sequences"):

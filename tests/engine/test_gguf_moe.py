@@ -14,7 +14,6 @@ from engine.gguf_convert import unpermute_qk
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.weights import CheckpointError, load_checkpoint, resolve_model
-from tests.conftest import require_isa
 from tests.engine.factories import hf_greedy_mismatch, random_prompts, tiny_hf_config
 from tests.engine.test_gguf_convert import add_tiny_metadata, gguf_name, llama_cpp_permute, tiny_vocab
 
@@ -92,11 +91,6 @@ def write_moe_gguf(path, kind: str, qtypes: dict[str, Q] | None = None, drop: st
     writer.close()
     model.load_state_dict(state)
     return model
-
-
-@pytest.fixture(scope="module", params=("avx512bf16", "avx2"))
-def quant_isa(request) -> str:
-    return require_isa(request.param, family="quant")
 
 
 @pytest.fixture(scope="module")

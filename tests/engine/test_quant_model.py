@@ -14,16 +14,10 @@ from engine.llm import LLM
 from engine.quant import QUANTIZATIONS, QuantWeight
 from engine.sampling import SamplingParams
 from engine.weights import CheckpointError, load_checkpoint
-from tests.conftest import require_isa
 from tests.engine.test_kernels import _fused_and_per_op
 from tests.engine.test_model import CHAT, RAW, smol_fp32  # noqa: F401  (the dequantized fp32 default model)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", params=("avx512bf16", "avx2"))
-def quant_isa(request) -> str:
-    return require_isa(request.param, family="quant")
 
 
 def _prompts(llm):
