@@ -95,9 +95,11 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // (isa.h) sets from how many rows, per tile: avx2 from 2 (2-6 rows 1.5-2.0x; its tile takes a block
 // in 2-4 passes past one row), avx512 from 3 (3-12 rows 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16
 // from 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x). Same bits either way.
-std::atomic<int> g_decode_chunks{1};
-std::atomic<int> g_decode_prefetch_from{MatmulTile::kPrefetchFromRows};
-std::atomic<int64_t> g_decode_ahead{0};
+// the defaults, in decode_stream's order: chunks a thread, prefetch_next_from, prefetch_ahead
+constexpr std::tuple<int, int, int64_t> kDefaultStream{1, MatmulTile::kPrefetchFromRows, 0};
+std::atomic<int> g_decode_chunks{std::get<0>(kDefaultStream)};
+std::atomic<int> g_decode_prefetch_from{std::get<1>(kDefaultStream)};
+std::atomic<int64_t> g_decode_ahead{std::get<2>(kDefaultStream)};
 constexpr int64_t kMaxAhead = 1 << 20;
 
 template <class Out>
@@ -203,7 +205,7 @@ std::tuple<int, int, int64_t> decode_stream() {
   return {g_decode_chunks.load(), g_decode_prefetch_from.load(), g_decode_ahead.load()};
 }
 
-std::tuple<int, int, int64_t> default_decode_stream() { return {1, MatmulTile::kPrefetchFromRows, 0}; }
+std::tuple<int, int, int64_t> default_decode_stream() { return kDefaultStream; }
 
 void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int threads) {
   matmul_impl(x, wp, y, M, K, N, threads);

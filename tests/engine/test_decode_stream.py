@@ -13,13 +13,18 @@ from engine.kernels import PackedWeight, load_native_ops
 from tests.engine.factories import rand_bf16
 
 
+def _tile_rows(ext) -> int:
+    """The rows of one register tile on ext's path: the decode rows the stream setting applies to."""
+    return 6 if ext.isa == "avx2" else 12
+
+
 @pytest.fixture
 def decode_stream(native):
     """The bf16 decode stream setting of `native`'s module, put back to the default afterwards."""
     default = native.ext.bf16_decode_stream()
     # one run of blocks a thread; the next block fetched in software from some rows on, within one tile
     assert default == native.ext.default_bf16_decode_stream()
-    assert default[0] == 1 and 1 < default[1] <= (6 if native.ext.isa == "avx2" else 12) and default[2] == 0
+    assert default[0] == 1 and 1 < default[1] <= _tile_rows(native.ext) and default[2] == 0
     yield native.ext
     native.ext.set_bf16_decode_stream(*default)
 
@@ -46,7 +51,7 @@ def test_a_bad_decode_stream_setting_is_refused_by_name(native, decode_stream):
     for bad in (0, 65):
         with pytest.raises(RuntimeError, match=f"chunks_per_thread must be 1 to 64, not {bad}"):
             decode_stream.set_bf16_decode_stream(bad, 0)
-    tile = 6 if native.ext.isa == "avx2" else 12
+    tile = _tile_rows(native.ext)
     for bad in (-1, tile + 1):
         with pytest.raises(RuntimeError, match=rf"prefetch_next_from must be 0 \(never\) to {tile} \(the rows of "
                                                rf"one tile\), not {bad}"):

@@ -16,8 +16,6 @@ from tests.conftest import require_isa
 from tests.engine.factories import rand_bf16
 
 
-
-
 def _close(got, ref, rtol=2 ** -6, atol=2e-2):
     assert got.shape == ref.shape
     assert torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol), (got.float() - ref.float()).abs().max()
