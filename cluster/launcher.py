@@ -182,15 +182,22 @@ class Cluster:
     def stop_actors(self) -> None:
         import ray
 
-        # every replica closes at once (each frees its KV pool and ranks), ten seconds for all, then goes
-        closing = []
-        for _, actor in self.actors.values():
-            try:
-                closing.append(actor.close.remote())
-            except Exception:
-                pass
-        if closing:
-            ray.wait(closing, num_returns=len(closing), timeout=10)
+        # The replicas close (each frees its KV pool and ranks) in two waves, ten seconds for both:
+        # first the prefill replicas, whose KV senders hang up on the decode replicas' transfer
+        # servers, then the rest. (Closed together, a sender whose server went first saw its
+        # channel go away mid-call, and gRPC logged it from every such replica.)
+        deadline = time.monotonic() + 10
+        for wave in (lambda stage: stage == "prefill", lambda stage: stage != "prefill"):
+            closing = []
+            for stage, actor in self.actors.values():
+                if not wave(stage):
+                    continue
+                try:
+                    closing.append(actor.close.remote())
+                except Exception:
+                    pass
+            if closing:
+                ray.wait(closing, num_returns=len(closing), timeout=max(0.0, deadline - time.monotonic()))
         for _, actor in self.actors.values():
             try:
                 ray.kill(actor)

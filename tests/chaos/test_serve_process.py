@@ -178,3 +178,26 @@ def test_a_signal_while_the_replicas_load_stops_the_start_at_once(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_ctrl_c_after_serving_shuts_down_quietly(tmp_path):
+    """Ctrl-C once requests were served (the README's way to stop): serve exits 0, leaves no replica
+    or Ray process behind, and no replica logs a broken transfer channel on the way out (the
+    prefill replicas hang up their KV senders before the decode replicas close their servers)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    served = Served(spec, _env(), tmp_path / "serve.log")
+    try:
+        for _ in range(3):  # KV moved over the transfer channel, as in the user's session
+            assert served.answers()
+        everything = psutil.Process(served.proc.pid).children(recursive=True)
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(60) == 0, served.log.read_text()[-3000:]
+        out = served.log.read_text()
+        assert "kvrelay: shutting down" in out, out[-3000:]
+        tail = out[out.index("kvrelay: shutting down"):]
+        assert "GOAWAY" not in tail and "Traceback" not in tail, tail[-3000:]
+        assert not _wait_gone(everything, 150)
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
