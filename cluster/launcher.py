@@ -110,7 +110,7 @@ class Cluster:
             for i in range(sc.num_replicas):
                 rid = f"{stage.value}-{i}"
                 self.actors[rid] = (stage, self._spawn(rid, stage))
-        self.progress(f"loading {len(self.actors)} replicas: {', '.join(self.actors)}")
+        self.progress(f"loading {_replicas(len(self.actors))}: {', '.join(self.actors)}")
         t0 = time.monotonic()
         refs = {a.load.remote(): rid for rid, (_, a) in self.actors.items()}
         pending = list(refs)
@@ -319,6 +319,10 @@ class Cluster:
                         t2 - t1, t3 - t2)
 
 
+def _replicas(n: int) -> str:
+    return f"{n} replica" if n == 1 else f"{n} replicas"
+
+
 STOP_PHASE_TIMEOUT_S = 15.0  # the most one phase of `Cluster.stop` may take before the next goes on
 
 
@@ -433,7 +437,7 @@ async def _serve(cluster: Cluster) -> int:
         loop.add_signal_handler(sig, stop.set)
     host = cluster.config.frontend.host
     print(f"kvrelay: serving {cluster.config.model} ({cluster.config.mode}, "
-          f"{len(cluster.actors)} replicas) in {time.monotonic() - t0:.1f}s", flush=True)
+          f"{_replicas(len(cluster.actors))}) in {time.monotonic() - t0:.1f}s", flush=True)
     ports = fe.ports if isinstance(fe, FrontendSet) else [(fe.grpc_port, fe.http_port)]
     if len(ports) > 1:
         shared = len(set(ports)) == 1
