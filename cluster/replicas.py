@@ -216,7 +216,7 @@ class Replicas:
         for r in self.router.replicas():
             if r.replica_id == rid and r.is_alive:
                 log.error("replica %s is out of the router: %s", rid, why)
-                self.router.mark_dead(rid)
+                self.router.mark_dead(rid, returning=True)  # until it rejoins, is replaced or is given up on
                 h.last_error = why
         self.channels.drop(rid)  # its requests hear Lost now, not when (if ever) the socket notices
 
@@ -261,6 +261,8 @@ class Replicas:
         h = self._health[rid]
         h.state = ReplicaState.FAILED
         log.error("replica %s failed for good after %d restarts: %s", rid, h.num_restarts, h.last_error)
+        if any(r.replica_id == rid for r in self.router.replicas()):
+            self.router.mark_dead(rid)  # not coming back: requests waiting for it fail if it was its stage's last
         if self.on_failed is not None:
             try:
                 self.on_failed(rid, h.last_error)

@@ -6,7 +6,11 @@ Plain Python: no Ray, gRPC or torch. Life of a request in the router:
    capacity (``max_inflight_per_replica`` requests placed and not released),
    or earlier requests are already waiting, the request waits in a bounded
    FIFO admission queue; past ``max_queue`` waiters or ``queue_timeout_s`` it
-   is refused with `OverloadedError`.
+   is refused with `OverloadedError`. A stage whose every replica is down
+   but one of them is coming back (restarting, or stalled and not yet given
+   up on) is at no capacity: its requests wait in the same queue for the
+   replacement, within the same bound. A stage with none coming back fails
+   them with `NoReplicaError` at once.
 2. The policy picks a replica per stage among the live ones with capacity.
    The placement is counted against the replica at once (optimistic
    accounting), so a burst between two load reports spreads out.
@@ -82,6 +86,7 @@ class Replica:
     capacity: int
     load: ReplicaLoad
     is_alive: bool = True
+    returning: bool = False  # down, but expected back (being replaced, or stalled): requests wait for it
     num_in_flight: int = 0  # placed and not released (exact)
     pending: list[_Pending] = field(default_factory=list)
 
@@ -250,13 +255,17 @@ class Router:
         self._replicas.pop(replica_id)
         self._fail_waiters_if_a_stage_is_gone()
 
-    def mark_dead(self, replica_id: str) -> None:
-        """Stop placing on a replica. Waiters fail with NoReplicaError if it was a stage's last."""
-        self._replicas[replica_id].is_alive = False
+    def mark_dead(self, replica_id: str, returning: bool = False) -> None:
+        """Stop placing on a replica. ``returning``: it is expected back (`mark_alive`), and while it is
+        its stage's last, requests wait for it in the admission queue; otherwise (or once it is marked
+        dead again without ``returning``) waiters fail with NoReplicaError if it was a stage's last."""
+        r = self._replicas[replica_id]
+        r.is_alive, r.returning = False, returning
         self._fail_waiters_if_a_stage_is_gone()
 
     def mark_alive(self, replica_id: str) -> None:
-        self._replicas[replica_id].is_alive = True
+        r = self._replicas[replica_id]
+        r.is_alive, r.returning = True, False
         self._grant_waiters()
 
     def report_load(self, load: ReplicaLoad) -> None:
@@ -301,8 +310,9 @@ class Router:
     async def acquire(self, request: GenerateRequest) -> Placement:
         """Place the request, waiting in the admission queue if needed.
 
-        Raises NoReplicaError when a needed stage has no live replica, and
-        OverloadedError when the queue is full or the wait times out.
+        Raises NoReplicaError when a needed stage has no live replica and none
+        coming back (or the one coming back is not back within the queue's
+        timeout), and OverloadedError when the queue is full or the wait times out.
         """
         self._check_live()
         routed = _Routed(request)
@@ -350,8 +360,20 @@ class Router:
     # ---- internals ---------------------------------------------------------
     def _check_live(self) -> None:
         for stage in self.config.stages():
-            if not any(r.is_alive and r.stage is stage for r in self._replicas.values()):
+            if not any((r.is_alive or r.returning) and r.stage is stage for r in self._replicas.values()):
                 raise NoReplicaError(f"no live {stage.value} replica")
+
+    def _down_stages(self) -> str | None:
+        """Why a waiter may be waiting for want of live replicas: the stages with none alive, and the
+        replicas of theirs that are expected back; None if every stage has a live replica."""
+        down = []
+        for stage in self.config.stages():
+            mine = [r for r in self._replicas.values() if r.stage is stage]
+            if not any(r.is_alive for r in mine):
+                back = [r.replica_id for r in mine if r.returning]
+                down.append(f"no live {stage.value} replica" + (f" ({', '.join(back)} is being replaced or "
+                                                                 f"recovering)" if back else ""))
+        return "; ".join(down) or None
 
     def _place(self, routed: _Routed) -> Placement | None:
         chosen: dict[Stage, Replica] = {}
@@ -392,6 +414,11 @@ class Router:
         if waiter.future.done():
             return
         self._waiters.remove(waiter)
+        down = self._down_stages()
+        if down is not None:  # not busy: down, and not back in time
+            waiter.future.set_exception(NoReplicaError(
+                f"{down}, and none came back within {self.config.queue_timeout_s}s (router.queue_timeout_s)"))
+            return
         waiter.future.set_exception(OverloadedError(
             f"no replica became free within {self.config.queue_timeout_s}s (router.queue_timeout_s)"))
 

@@ -56,12 +56,13 @@ class Load:
         for t in self.threads:
             t.start()
 
-    def wait_streaming(self, cluster, min_running: int = 2, timeout_s: float = 60):
+    def wait_streaming(self, cluster, min_running: int = 2, timeout_s: float = 60,
+                       decodes: tuple[str, ...] = ("decode-0", "decode-1")):
         """Until each decode replica runs some of the requests, each past its first tokens."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = {r.replica_id: r for r in cluster.client.status().replicas}
-            if all(st[d].num_running_seqs >= min_running for d in ("decode-0", "decode-1")):
+            if all(st[d].num_running_seqs >= min_running for d in decodes):
                 time.sleep(0.2)
                 return
             assert time.monotonic() < deadline, f"the streams did not start: {st}"

@@ -278,3 +278,48 @@ def test_waiters_fail_fast_when_a_stage_loses_its_last_replica():
         router.release(held.pop())
         assert_no_leaks(router)
     asyncio.run(main())
+
+
+def test_requests_wait_for_a_stages_last_replica_while_it_is_replaced():
+    """A stage's only replica down but coming back (being replaced): new requests, and those migrating off
+    it, wait in the admission queue and are placed on it once it serves; given up on, they fail at once."""
+    async def main():
+        router = make_router(1, 1, queue_timeout_s=5)
+        router.mark_dead("d0", returning=True)
+        waiting = [asyncio.create_task(router.acquire(req())) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in waiting) and router.num_waiting == 2
+        router.mark_alive("d0")
+        placed = [await t for t in waiting]
+        assert {p.decode_replica for p in placed} == {"d0"}
+        for p in placed:
+            router.release(p)
+        router.mark_dead("p0", returning=True)
+        waiting = asyncio.create_task(router.acquire(req()))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        router.mark_dead("p0")  # its replacements failed: not coming back
+        with pytest.raises(NoReplicaError, match="no live prefill replica"):
+            await waiting
+        with pytest.raises(NoReplicaError, match="no live prefill replica"):
+            await router.acquire(req())
+        assert_no_leaks(router)
+    asyncio.run(main())
+
+
+def test_a_replacement_that_does_not_serve_in_time_fails_its_waiters_by_name():
+    async def main():
+        router = make_router(1, 2, queue_timeout_s=0.1)
+        router.mark_dead("d0", returning=True)
+        router.mark_dead("d1", returning=True)
+        with pytest.raises(NoReplicaError, match=r"no live decode replica \(d0, d1 is being replaced or "
+                                                 r"recovering\), and none came back within 0.1s"):
+            await router.acquire(req())
+        router.mark_alive("d1")  # one back: a request past the others' capacity is busy again, not down
+        held = [await router.acquire(req()) for _ in range(router.config.capacity(Stage.DECODE))]
+        with pytest.raises(OverloadedError, match="no replica became free"):
+            await router.acquire(req())
+        for p in held:
+            router.release(p)
+        assert_no_leaks(router)
+    asyncio.run(main())
