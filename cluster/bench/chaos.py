@@ -1,10 +1,11 @@
 """Faults at scale: a steady streaming load on a served cluster while replicas
 are killed, stopped and cut off, one fault after another.
 
-    python -m cluster.bench.chaos [--requests 1000] [--concurrency 16] [--write]
+    python -m cluster.bench.chaos [--requests 1000] [--concurrency 16] [--replicas 2] [--write]
 
 The cluster (2 prefill + 2 decode replicas, grpc transfer, the default
-model) runs in this process on a local Ray instance, so the benchmark can
+model; `--replicas 1`: one of each, deploy/local.yaml's shape, where a
+faulted replica's requests wait for its replacement) runs in this process on a local Ray instance, so the benchmark can
 reach the replicas' processes; clients stream over gRPC and HTTP (half
 each). Every output is checked against the unfaulted greedy output of its
 prompt. Per fault it reports the requests in flight at the fault, how they
@@ -31,18 +32,19 @@ import urllib.request
 from dataclasses import dataclass, field
 
 SECTION = "## Chaos"
+SECTION_ONE = "## Chaos, one replica a stage"  # --replicas 1
 PROMPTS = [f"Question {i}: tell me about the {w}." for i, w in enumerate(
     ["sea", "moon", "desert", "forest", "river", "mountain", "city", "sky", "rain", "snow", "wind", "fire",
      "stars", "clouds", "islands", "caves"])]
 HEALTH = {"heartbeat_timeout_s": 1.0, "replace_after_s": 4.0, "restart_backoff_s": 0.2}
 
 
-def chaos_spec(max_tokens_budget: int = 512) -> dict:
+def chaos_spec(max_tokens_budget: int = 512, replicas: int = 2) -> dict:
     slice_ = {"num_cpus": 0.25}
     return {"mode": "disaggregated", "dtype": "float32", "frontend": {"grpc_port": 0, "http_port": 0},
-            "prefill": {"replicas": 2, "resources": slice_, "num_kv_blocks": 192,
+            "prefill": {"replicas": replicas, "resources": slice_, "num_kv_blocks": 192,
                         "max_num_batched_tokens": max_tokens_budget},
-            "decode": {"replicas": 2, "resources": slice_, "num_kv_blocks": 192},
+            "decode": {"replicas": replicas, "resources": slice_, "num_kv_blocks": 192},
             "transfer": {"backend": "grpc", "options": {"lease_s": 20, "deadline_s": 30}},
             "router": {"policy": "round_robin"}, "health": dict(HEALTH)}
 
@@ -92,6 +94,11 @@ FAULTS = {  # name -> (replica, inject)
     "channel cut decode": ("decode-0", cut_channel),
     "transfer cut prefill": ("prefill-1", cut_transfers),
 }
+
+
+def faults_on(replicas: int) -> dict:
+    """FAULTS on a cluster of ``replicas`` replicas a stage (with one, every fault hits replica 0)."""
+    return {name: (r if replicas > 1 else r[:-1] + "0", inject) for name, (r, inject) in FAULTS.items()}
 
 
 # ---- load ---------------------------------------------------------------------
@@ -163,7 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--fault-interval-s", type=float, default=20.0, help="seconds between faults")
-    p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=2, help="prefill and decode replicas each")
+    p.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of BENCHMARKS.md "
+                   f"('{SECTION_ONE}' with --replicas 1)")
     args = p.parse_args(argv)
 
     import ray
@@ -173,7 +182,7 @@ def main(argv=None) -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     params = dict(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    with running_cluster(chaos_spec()) as cluster:
+    with running_cluster(chaos_spec(replicas=args.replicas)) as cluster:
         reference = ({q: list(cluster.client.generate(q, **params).token_ids) for q in PROMPTS},
                      {q: http_stream(cluster.http_port, q, params)[0] for q in PROMPTS})
         outcomes: list[Outcome] = []
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
             t.start()
         interval = args.fault_interval_s
         faults = []  # (name, replica, time, time serving again, migrations during)
-        for name, (replica, inject) in FAULTS.items():
+        for name, (replica, inject) in faults_on(args.replicas).items():
             time.sleep(interval / 2)
             if next_i[0] >= args.requests:
                 break
@@ -277,10 +286,10 @@ def report(outcomes, faults, reference, args, per_token, hung, leaked, lost, wal
     total_failed = sum(o.code != "ok" for o in outcomes)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     isa = "AVX-512 BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "AVX2"
-    return f"""{SECTION}
+    return f"""{SECTION if args.replicas > 1 else SECTION_ONE}
 
 {len(outcomes)} streaming requests ({args.max_tokens} greedy tokens each, half gRPC, half HTTP, {args.concurrency}
-at a time) on 2 prefill + 2 decode replicas (the default model, fp32, grpc transfer), with one fault after
+at a time) on {args.replicas} prefill + {args.replicas} decode replica{'s' if args.replicas > 1 else ''} (the default model, fp32, grpc transfer), with one fault after
 another; every output checked against its prompt's unfaulted greedy output (tokens over gRPC, text over HTTP).
 "In flight" counts every request running at the fault, on the faulted replica or not; "beyond" is the time
 from the fault to the request's end minus its own remaining decode time (tokens left × {per_token * 1000:.0f} ms,
@@ -295,7 +304,7 @@ Whole run: {len(outcomes)} sent, {len(outcomes) - total_failed - total_wrong} fi
 {total_wrong} wrong, {hung} hung, {lost:.0f} lost (kvrelay_requests_lost_total), KV blocks held after
 quiescence: {'none' if not leaked else leaked}; {wall:.0f} s.
 
-- Command: `python -m cluster.bench.chaos --requests {args.requests} --concurrency {args.concurrency} --write`
+- Command: `python -m cluster.bench.chaos --requests {args.requests} --concurrency {args.concurrency}{f' --replicas {args.replicas}' if args.replicas != 2 else ''} --write`
 - Date: {now}
 - Machine: `nproc` {os.cpu_count()}, {platform.processor() or platform.machine()}, {isa}, Python {platform.python_version()}
 """
