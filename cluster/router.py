@@ -371,7 +371,8 @@ class Router:
             mine = [r for r in self._replicas.values() if r.stage is stage]
             if not any(r.is_alive for r in mine):
                 back = [r.replica_id for r in mine if r.returning]
-                down.append(f"no live {stage.value} replica" + (f" ({', '.join(back)} is being replaced or "
+                being = "is" if len(back) == 1 else "are"
+                down.append(f"no live {stage.value} replica" + (f" ({', '.join(back)} {being} being replaced or "
                                                                  f"recovering)" if back else ""))
         return "; ".join(down) or None
 

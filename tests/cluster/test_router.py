@@ -312,7 +312,7 @@ def test_a_replacement_that_does_not_serve_in_time_fails_its_waiters_by_name():
         router = make_router(1, 2, queue_timeout_s=0.1)
         router.mark_dead("d0", returning=True)
         router.mark_dead("d1", returning=True)
-        with pytest.raises(NoReplicaError, match=r"no live decode replica \(d0, d1 is being replaced or "
+        with pytest.raises(NoReplicaError, match=r"no live decode replica \(d0, d1 are being replaced or "
                                                  r"recovering\), and none came back within 0.1s"):
             await router.acquire(req())
         router.mark_alive("d1")  # one back: a request past the others' capacity is busy again, not down
