@@ -187,10 +187,10 @@ class Cluster:
         # servers, then the rest. (Closed together, a sender whose server went first saw its
         # channel go away mid-call, and gRPC logged it from every such replica.)
         deadline = time.monotonic() + 10
-        for wave in (lambda stage: stage == "prefill", lambda stage: stage != "prefill"):
+        for first in (True, False):
             closing = []
             for stage, actor in self.actors.values():
-                if not wave(stage):
+                if (stage is Stage.PREFILL) != first:
                     continue
                 try:
                     closing.append(actor.close.remote())

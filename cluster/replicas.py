@@ -261,8 +261,7 @@ class Replicas:
         h = self._health[rid]
         h.state = ReplicaState.FAILED
         log.error("replica %s failed for good after %d restarts: %s", rid, h.num_restarts, h.last_error)
-        if any(r.replica_id == rid for r in self.router.replicas()):
-            self.router.mark_dead(rid)  # not coming back: requests waiting for it fail if it was its stage's last
+        self.router.mark_dead(rid)  # not coming back: requests waiting for it fail if it was its stage's last
         if self.on_failed is not None:
             try:
                 self.on_failed(rid, h.last_error)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.bench.chaos import HEALTH, metric, signal_replica
+from cluster.bench.chaos import HEALTH, http_stream, metric, signal_replica
 from tests.chaos.test_chaos import GREEDY, LONG_PROMPTS, PROMPTS, Load, _check, _pools_free, _serving_again
 from tests.e2e.conftest import disagg_spec, running_cluster
 
@@ -25,8 +25,6 @@ def cluster(ray_instance):
 @pytest.fixture(scope="module")
 def reference(cluster):
     """Unfaulted outputs and the cluster's time per output token (texts: `_check` reads them for HTTP)."""
-    from cluster.bench.chaos import http_stream
-
     prompts = PROMPTS[:4] + LONG_PROMPTS[:2]
     t0 = time.monotonic()
     tokens = {p: list(cluster.client.generate(p, **GREEDY).token_ids) for p in prompts}
