@@ -53,11 +53,15 @@ class KVCacheManager:
         """For a sequence holding no blocks: take the longest cached prefix.
 
         At least one token is always left to compute, so the forward pass has a
-        position to sample from. Returns the number of tokens reused.
+        position to sample from; and a sequence that asked for its prompt's
+        logprobs reuses no position whose logits it still needs. Returns the
+        number of tokens reused.
         """
         if seq.block_ids or not self.pool.enable_prefix_caching:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.prompt_logprobs_pending:
+            max_blocks = min(max_blocks, len(seq.prompt_logprobs) // self.block_size)
         self._extend_hashes(seq, max_blocks)
         hits = self.pool.lookup_prefix(seq.block_hashes[:max_blocks])
         self.pool.acquire_cached(hits)

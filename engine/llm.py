@@ -164,7 +164,7 @@ class LLM:
                 delta.finish_reason.value if delta.finish_reason is not None else None, delta.stop_reason,
                 delta.error, list(lps) if lps else None,
                 lps[-len(delta.token_ids):] if lps and delta.token_ids else None, delta.num_cached_tokens,
-                seq.metrics.as_dict() if delta.is_finished else {}))
+                seq.metrics.as_dict() if delta.is_finished else {}, _prompt_logprobs(seq)))
         return results
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
@@ -217,3 +217,11 @@ class LLM:
         finally:
             if self.core.get(rid) is not None:
                 self.abort(rid)
+
+
+def _prompt_logprobs(seq: Sequence) -> list[dict | None] | None:
+    """`RequestOutput.prompt_logprobs`: choice 0 computes them for a request's every choice (n > 1)."""
+    owner = seq.fork_of or seq
+    if owner.params.prompt_logprobs is None:
+        return None
+    return [None, *owner.prompt_logprobs]

@@ -31,6 +31,9 @@ class RequestOutput:
     delta_logprobs: list[dict] | None = None  # one per token in delta_token_ids
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # params.prompt_logprobs set: one per prompt token, None for the first (nothing precedes it), the
+    # others as `logprobs`' with the token's "rank" (1: the model's likeliest)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class OutputProcessor:
@@ -81,7 +84,8 @@ class OutputProcessor:
         if finished and detok is not None and not detok.stopped:
             text += detok.flush()  # text held back as a possible stop-string start
         delta = GenerateDelta(seq.request_id, list(new_token_ids), text,
-                              logprobs=_logprobs(seq, new_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens)
+                              logprobs=_logprobs(seq, new_token_ids), num_cached_tokens=seq.num_prefix_hit_tokens,
+                              prompt_logprobs=prompt_logprobs(seq, new_token_ids))
         if finished:
             delta.finish_reason = FinishReason.STOP if hit_stop_string else FinishReason(seq.finish_reason)
             delta.error = seq.error
@@ -92,6 +96,14 @@ class OutputProcessor:
             delta.timings = seq.metrics.timings()
             self._detok.pop(seq.request_id, None)
         return delta, stopped_by_string
+
+
+def prompt_logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob] | None:
+    """The prompt's logprobs, for the delta of ``seq``'s first output tokens (``new_token_ids``) when it
+    asked for them; None otherwise (later deltas, and a resumed sequence's, whose client has them)."""
+    if seq.params.prompt_logprobs is None or not new_token_ids or seq.num_output_tokens != len(new_token_ids):
+        return None
+    return [TokenLogprob.from_sampler(t, info) for t, info in zip(seq.prompt_token_ids[1:], seq.prompt_logprobs)]
 
 
 def _logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob] | None:

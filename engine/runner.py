@@ -10,6 +10,23 @@ from engine.profiling import FORWARD, SAMPLE, phase
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (ModelRunner.prompt_logprobs)
+
+
+def _split(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+    """(decode rows, prefill chunks), in batch order each: a step's rows hold the decodes first."""
+    decodes = [s for s in batch if s.num_new_tokens == 1 and s.start > 0]
+    return decodes, [s for s in batch if not (s.num_new_tokens == 1 and s.start > 0)]
+
+
+def _row_starts(batch: list[ScheduledSeq]):
+    """(scheduled sequence, its first row in the step's hidden states), in `ModelRunner.prepare`'s order."""
+    decodes, prefills = _split(batch)
+    row = 0
+    for s in decodes + prefills:
+        yield s, row
+        row += s.num_new_tokens
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int, seed: int = 0):
@@ -25,8 +42,7 @@ class ModelRunner:
         positions, attention metadata, and the batch index of each sampling
         position (in ``batch`` order)."""
         bs = self.block_size
-        decodes = [s for s in batch if s.num_new_tokens == 1 and s.start > 0]
-        prefills = [s for s in batch if not (s.num_new_tokens == 1 and s.start > 0)]
+        decodes, prefills = _split(batch)
         ids: list[int] = []
         pos: list[int] = []
         slot_blocks: list[int] = []
@@ -82,10 +98,42 @@ class ModelRunner:
             else:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
         samplers = [s for s in batch if s.samples]
-        if not samplers:
-            return {}
         with phase(SAMPLE):
+            if any(s.seq.prompt_logprobs_pending for s in batch):
+                self.prompt_logprobs(batch, hidden)
+            if not samplers:
+                return {}
             return self.sample(samplers, self.model.compute_logits(hidden[sample_rows]))
+
+    def prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Append to each sequence that asked for its prompt's logprobs those this step's positions give:
+        position p's logits score prompt token p + 1 (its logprob, its rank, the top alternatives), up to the
+        prompt's last token. The LM head runs on those rows a slice at a time, so a long chunk's logits
+        ([rows, vocab] float32) never exist at once."""
+        rows: list[int] = []
+        owners: list[tuple[ScheduledSeq, int]] = []  # (scheduled sequence, position) of each row
+        for s, row0 in _row_starts(batch):
+            seq = s.seq
+            if not seq.prompt_logprobs_pending:
+                continue
+            first = max(s.start, len(seq.prompt_logprobs))  # positions before it were scored already
+            last = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # exclusive
+            if first == len(seq.prompt_logprobs):
+                for p in range(first, last):
+                    rows.append(row0 + p - s.start)
+                    owners.append((s, p))
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = owners[i:i + PROMPT_LOGPROB_ROWS]
+            lp = self.model.compute_logits(hidden[rows[i:i + PROMPT_LOGPROB_ROWS]]).float().log_softmax(-1).cpu()
+            targets = torch.tensor([s.seq.prompt_token_ids[p + 1] for s, p in part])
+            chosen = lp.gather(1, targets[:, None])
+            ranks = (lp > chosen).sum(1).add_(1).tolist()
+            k = max(s.seq.params.prompt_logprobs for s, _ in part)
+            top_v, top_i = lp.topk(k, dim=1) if k else (None, None)
+            for j, ((s, _), value, rank) in enumerate(zip(part, chosen[:, 0].tolist(), ranks)):
+                n = s.seq.params.prompt_logprobs
+                top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
+                s.seq.prompt_logprobs.append({"token_logprob": value, "top": top, "rank": rank})
 
     def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, tuple[int, dict | None]]:
         """The sampling sequences' next tokens from their logits rows ([len(samplers), V])."""

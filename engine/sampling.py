@@ -37,6 +37,7 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 MAX_CHOICES = 16  # n
+MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (logprobs, prompt_logprobs)
 
 
 class SamplingError(ValueError):
@@ -55,6 +56,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    # the prompt's logprobs: each prompt token's after the first (nothing precedes it), with this many top
+    # alternatives (vLLM's prompt_logprobs; OpenAI's echo with logprobs). The prompt is computed whole:
+    # no prefix-cache hit skips positions whose logits they need
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None  # the output must match this (engine.guided)
     # OpenAI's penalties, in [-2, 2], on the output so far: each logit minus
@@ -82,8 +87,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def for_choice(self, index: int) -> "SamplingParams":
-        """The parameters of one of the n choices: n=1, and its own seed (`choice_seed`)."""
+        """The parameters of one of the n choices: n=1, and its own seed (`choice_seed`). The prompt's logprobs
+        are computed by choice 0 alone (the others fork its prompt's blocks instead of computing them)."""
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else choice_seed(self.seed, index),
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None,
                                    stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                                    logit_bias=dict(self.logit_bias))
 
@@ -116,8 +123,10 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer between 0 and 20")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer between 0 and {MAX_LOGPROBS}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or any(not is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -82,6 +82,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs set: entry i is prompt token i + 1's, from position i's logits (the sampler's
+    # dicts, with the token's rank); positions computed again after a preemption add nothing
+    prompt_logprobs: list[dict] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
@@ -120,6 +123,11 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether the prompt's logprobs are asked for and some are still to be computed."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

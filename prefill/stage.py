@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.kv_cache import model_fingerprint
-from engine.output import OutputProcessor
+from engine.output import OutputProcessor, prompt_logprobs
 from engine.profiling import KV_COMMIT, KV_TRANSFER_START, phase
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -247,7 +247,8 @@ class PrefillStage(StageLoop):
         info = seq.output_logprobs[-1] if seq.output_logprobs else None
         return FirstToken(GenerateDelta(seq.request_id, [token_id], text,
                                         logprobs=[TokenLogprob.from_sampler(token_id, info)] if info else None,
-                                        num_cached_tokens=seq.num_prefix_hit_tokens))
+                                        num_cached_tokens=seq.num_prefix_hit_tokens,
+                                        prompt_logprobs=prompt_logprobs(seq, [token_id])))
 
     def _done(self, job: _Job, error: str | None, finished_at: float | None = None) -> None:
         """Tell the frontend the request is over here, with this replica's

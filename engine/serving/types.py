@@ -26,11 +26,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # a prompt token's: 1 + how many tokens the model found likelier; None: not computed
 
     @classmethod
     def from_sampler(cls, token_id: int, info: dict) -> TokenLogprob:
-        """From the sampler's ``{"token_logprob": float, "top": [(id, logprob), ...]}``."""
-        return cls(token_id, info["token_logprob"], tuple((int(a), float(b)) for a, b in info["top"]))
+        """From the sampler's ``{"token_logprob": float, "top": [(id, logprob), ...]}`` (and a prompt
+        token's ``"rank"``, `engine.runner.ModelRunner.prompt_logprobs`)."""
+        return cls(token_id, info["token_logprob"], tuple((int(a), float(b)) for a, b in info["top"]),
+                   info.get("rank"))
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class GenerateDelta:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids
+    # on the first delta of a request that asked for them: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (first and last delta)
     error: str | None = None  # set with FinishReason.ERROR
     stop_reason: str | int | None = None  # the stop string or token that ended it (last delta)

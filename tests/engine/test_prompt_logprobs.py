@@ -1,0 +1,124 @@
+"""The prompt's logprobs (`SamplingParams.prompt_logprobs`): what transformers gives for the same
+weights, whole or chunked, past the prefix cache and a preemption, once per request."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling import SamplingError, SamplingParams
+from tests.engine.factories import random_prompts, save_tiny_model
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(path)
+    return path
+
+
+def make_llm(folder, **kw):
+    from engine.llm import LLM
+
+    return LLM(str(folder), **{"dtype": "float32", "num_kv_blocks": 256, "block_size": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def reference(hf, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at every prompt position: row p scores token p + 1."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1)
+
+
+def check(out, hf, k: int) -> None:
+    prompt = out.prompt_token_ids
+    ref = reference(hf, prompt)
+    lps = out.prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+    got = torch.tensor([lp["token_logprob"] for lp in lps[1:]])
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for p, lp in enumerate(lps[1:]):
+        assert lp["rank"] == int((ref[p] > want[p]).sum()) + 1
+        assert len(lp["top"]) == k
+        if k:
+            assert [t for t, _ in lp["top"]] == ref[p].topk(k).indices.tolist()
+
+
+def params(k: int = 2, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 3, "temperature": 0.0, "prompt_logprobs": k, **kw})
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_match_transformers(folder, hf, k):
+    llm = make_llm(folder)
+    prompts = random_prompts(3, VOCAB, [5, 17, 30])
+    for out in llm.generate(prompts, params(k)):
+        check(out, hf, k)
+
+
+def test_chunked_prefill_gives_the_same_prompt_logprobs(folder, hf):
+    """A 40-token prompt in chunks of 8 tokens (beside another request) scores each position once."""
+    llm = make_llm(folder, max_num_batched_tokens=8)
+    prompts = random_prompts(2, VOCAB, [40, 9], seed=1)
+    outs = llm.generate(prompts, params())
+    for out in outs:
+        check(out, hf, 2)
+
+
+def test_a_cached_prefix_does_not_skip_positions(folder, hf):
+    """The second request's prompt is all in the prefix cache: it still gets every position's logprob,
+    and a request that does not ask for them still reuses the cache."""
+    llm = make_llm(folder)
+    prompt = random_prompts(1, VOCAB, [24], seed=2)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    out = llm.generate([prompt], params())[0]
+    check(out, hf, 2)
+    assert out.num_cached_tokens == 0
+    again = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
+
+
+def test_preempted_requests_keep_one_logprob_per_position(folder, hf):
+    """A pool too small for every request at once preempts some mid-generation: their prompts are
+    computed again, and their prompt logprobs are neither lost nor doubled."""
+    llm = make_llm(folder, num_kv_blocks=24, max_num_seqs=4)
+    prompts = random_prompts(4, VOCAB, [20, 20, 20, 20], seed=3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                prompt_logprobs=1))
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    for out in outs:
+        check(out, hf, 1)
+
+
+def test_every_choice_gets_choice_zeros_prompt_logprobs(folder, hf):
+    llm = make_llm(folder)
+    prompt = random_prompts(1, VOCAB, [13], seed=4)[0]
+    outs = llm.generate([prompt], params(1, n=3, temperature=1.0, seed=5))
+    assert len(outs) == 3
+    for out in outs:
+        check(out, hf, 1)
+    assert outs[1].prompt_logprobs == outs[0].prompt_logprobs
+
+
+def test_the_generated_tokens_are_the_same_with_prompt_logprobs(folder):
+    llm = make_llm(folder)
+    prompts = random_prompts(3, VOCAB, [6, 11, 19], seed=6)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    scored = llm.generate(prompts, params(4, max_tokens=8))
+    assert [o.token_ids for o in scored] == [o.token_ids for o in plain]
+    assert all(o.prompt_logprobs is None for o in plain)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.5, True])
+def test_a_bad_prompt_logprobs_is_refused_by_name(bad):
+    with pytest.raises(SamplingError, match="prompt_logprobs: must be an integer between 0 and 20"):
+        SamplingParams(prompt_logprobs=bad)
