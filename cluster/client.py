@@ -59,6 +59,8 @@ class Chunk:
     usage: Usage | None = None  # on the last chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timeline: RequestTimeline | None = None  # on the last chunk, when asked for (timeline=True)
+    # on the first chunk, when asked for (prompt_logprobs=k): one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Completion:
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timeline: RequestTimeline | None = None  # when asked for (timeline=True)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for: each prompt token's but the first
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,10 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logprobs: int | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, timeline: bool = False,
-                  guided: dict | None = None) -> pb.GenerateRequest:
+                  guided: dict | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
-    ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``guided``: structured
+    ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``prompt_logprobs``: the
+    prompt's tokens' logprobs and ranks (with that many alternatives), on the first chunk. ``guided``: structured
     output, one of ``{"json_schema": {...}}``, ``{"json_object": True}``, ``{"regex": "..."}``,
     ``{"choice": ["a", "b"]}``, ``{"grammar": "root ::= ..."}``."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
@@ -98,7 +102,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "seed": seed, "logprobs": logprobs, "presence_penalty": presence_penalty,
-                "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty}
+                "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
+                "prompt_logprobs": prompt_logprobs}
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                  logit_bias=dict(logit_bias or {}),
                                  **{k: v for k, v in optional.items() if v is not None})
@@ -142,13 +147,17 @@ def _chunk(resp: pb.GenerateResponse) -> Chunk:
         t = resp.timeline
         timeline = RequestTimeline(**{k: getattr(t, k) for k in RequestTimeline.PHASES if t.HasField(k)})
     return Chunk(resp.request_id, resp.text, list(resp.token_ids), _FINISH.get(resp.finish_reason), usage,
-                 [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                  for lp in resp.logprobs], timeline)
+                 [_logprob(lp) for lp in resp.logprobs], timeline, [_logprob(lp) for lp in resp.prompt_logprobs])
+
+
+def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top),
+                        lp.rank if lp.HasField("rank") else None)
 
 
 class _Collector:
     def __init__(self):
-        self.request_id, self.text, self.token_ids, self.logprobs = "", [], [], []
+        self.request_id, self.text, self.token_ids, self.logprobs, self.prompt_logprobs = "", [], [], [], []
         self.finish_reason, self.usage, self.timeline = None, Usage(), None
 
     def add(self, c: Chunk) -> None:
@@ -156,6 +165,7 @@ class _Collector:
         self.text.append(c.text)
         self.token_ids.extend(c.token_ids)
         self.logprobs.extend(c.logprobs)
+        self.prompt_logprobs.extend(c.prompt_logprobs)
         if c.finish_reason is not None:
             self.finish_reason = c.finish_reason
         if c.usage is not None:
@@ -165,7 +175,7 @@ class _Collector:
 
     def result(self) -> Completion:
         return Completion(self.request_id, "".join(self.text), self.token_ids, self.finish_reason, self.usage,
-                          self.logprobs, self.timeline)
+                          self.logprobs, self.timeline, self.prompt_logprobs)
 
 
 def _status(resp: pb.GetStatusResponse) -> ClusterStatus:

@@ -35,7 +35,7 @@ from cluster.metrics import ServingMetrics
 from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
-                           RequestTimeline)
+                           RequestTimeline, TokenLogprob)
 from cluster.validation import check_model, check_request_id, validate_request
 from engine.guided import GuidedError, GuidedSpec
 from protos.kvrelay.v1 import serving_pb2 as pb
@@ -162,7 +162,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
             top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=opt("logprobs"),
-            guided=_guided(request), guided_field=f"guided.{request.guided.WhichOneof('constraint')}",
+            prompt_logprobs=opt("prompt_logprobs"), guided=_guided(request), guided_field=f"guided.{request.guided.WhichOneof('constraint')}",
             presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
             repetition_penalty=opt("repetition_penalty"), logit_bias=dict(s.logit_bias),
         )
@@ -173,10 +173,9 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     def _to_response(delta: GenerateDelta, req: GenerateRequest, num_generated: int) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=req.request_id, text=delta.text, token_ids=delta.token_ids)
         if delta.logprobs:
-            resp.logprobs.extend(
-                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
-                for lp in delta.logprobs)
+            resp.logprobs.extend(map(_logprob_to_proto, delta.logprobs))
+        if delta.prompt_logprobs:
+            resp.prompt_logprobs.extend(map(_logprob_to_proto, delta.prompt_logprobs))
         if delta.finish_reason is not None:
             resp.finish_reason = _FINISH[delta.finish_reason]
             resp.usage.CopyFrom(pb.Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=num_generated,
@@ -184,6 +183,11 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             if req.timeline and delta.timeline is not None:
                 resp.timeline.CopyFrom(timeline_to_proto(delta.timeline))
         return resp
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                           top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
 
 
 async def _abort(context: grpc.aio.ServicerContext, failure: errors.Failure) -> None:

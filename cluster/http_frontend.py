@@ -192,6 +192,7 @@ class HttpFrontend:
         req = choices[0].request
         out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
                         with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage,
+                        with_prompt_logprobs=body.prompt_logprobs is not None,
                         **({"tools": tools} if tools is not None else {}))
         running = run_request(self.backend, req, self.metrics.start_request("http", req))
         async with contextlib.aclosing(running) as deltas:
@@ -203,6 +204,7 @@ class HttpFrontend:
                 return failed(raised(req, e))
             if first.finish_reason is FinishReason.ERROR:
                 return failed(errors.request_failed(first.error))
+            out.set_prompt(req.prompt_token_ids, first.prompt_logprobs)
             if body.stream:
                 return await self._stream(request, req, out, first, deltas)
             return await self._collect(req, out, first, deltas)
@@ -263,7 +265,9 @@ class HttpFrontend:
         text_of = oai.token_text(self.backend.tokenizer)
         outs = [responses(response_id, self.backend.model_name, text_of,
                           with_logprobs=c.request.sampling.logprobs is not None, include_usage=body.include_usage,
-                          index=c.index, **({"tools": tools} if tools is not None else {})) for c in choices]
+                          index=c.index, echo_logprobs=oai.echo_logprobs(body),
+                          with_prompt_logprobs=body.prompt_logprobs is not None,
+                          **({"tools": tools} if tools is not None else {})) for c in choices]
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(
                 run_request(self.backend, c.request, self.metrics.start_request("http", c.request))))
@@ -276,6 +280,11 @@ class HttpFrontend:
                     return failed(raised(c.request, first))
                 if first.finish_reason is FinishReason.ERROR:
                     return failed(errors.request_failed(first.error))
+            # a prompt's choice 0 (not a fork) scored it for the prompt's every choice
+            scored = {c.prompt_index: first.prompt_logprobs for c, first in zip(choices, firsts)
+                      if c.request.fork_of is None}
+            for c, out in zip(choices, outs):
+                out.set_prompt(c.request.prompt_token_ids, scored.get(c.prompt_index))
             deltas = _merged(streams, firsts)
             try:
                 if body.stream:

@@ -61,6 +61,7 @@ class _GenerateBody(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    prompt_logprobs: int | None = None  # vLLM's extension: each choice's "prompt_logprobs", this many alternatives
     user: str | None = None  # the end user's id, for the operator's logs: no effect on the output
     # structured output (cluster.structured): OpenAI's, and vLLM's extras
     response_format: Any = None
@@ -160,9 +161,6 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
     if len(prompts) * n > 1 and body.kvrelay_timeline:
         raise InvalidRequestError("kvrelay_timeline", "is given for one choice only (n=1, one prompt)")
     echo = isinstance(body, CompletionBody) and bool(body.echo)
-    if echo and body.logprobs is not None:
-        raise InvalidRequestError("echo", "with logprobs would need the prompt's logprobs, which kvrelay does "
-                                          "not compute")
     choices = []
     for i, prompt in enumerate(prompts):
         rid = request_id if len(prompts) * n == 1 else f"{request_id}-{i}"
@@ -172,6 +170,8 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
             sampling = req.sampling
             if j and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, j))
+            if j:  # choice 0 scores the prompt for all (it computes it; the others fork its blocks)
+                sampling = dataclasses.replace(sampling, prompt_logprobs=None)
             if n > 1:  # choice j > 0 runs beside choice 0 and shares its prompt's blocks there
                 req_j = dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling,
                                             fork_of=f"{rid}-0" if j else None)
@@ -235,12 +235,16 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         token_ids = _prompt_token_ids(backend.tokenizer, body.prompt if prompt is None else prompt)
         max_tokens_field, max_tokens = "max_tokens", body.max_tokens
         logprobs, logprobs_field = body.logprobs, "logprobs"
+    prompt_logprobs = body.prompt_logprobs
+    if echo_logprobs(body) and 0 <= body.logprobs:  # (a bad logprobs is refused by its own name below)
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     try:
         sampling = validate_request(
             token_ids, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=body.seed, stop=_stop_strings(body.stop), stop_token_ids=body.stop_token_ids or (),
-            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, presence_penalty=body.presence_penalty,
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias), guided=guided, guided_field=guided_field,
         )
@@ -250,6 +254,12 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
             raise InvalidRequestError(renamed, e.problem.replace("max_tokens", renamed)) from None
         raise
     return GenerateRequest(request_id, token_ids, sampling, timeline=bool(body.kvrelay_timeline))
+
+
+def echo_logprobs(body: CompletionBody | ChatBody) -> bool:
+    """A completion that echoes its prompt with logprobs lists the prompt's tokens' logprobs first (as
+    lm-evaluation-harness scores a continuation: ``echo``, ``logprobs`` 1, ``max_tokens`` 1)."""
+    return isinstance(body, CompletionBody) and bool(body.echo) and body.logprobs is not None
 
 
 def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:
@@ -338,7 +348,10 @@ class _Responses:
     chunk_object_name: str
 
     def __init__(self, request_id: str, model: str, text_of: Callable[[int], str], with_logprobs: bool,
-                 include_usage: bool = False, index: int = 0):
+                 include_usage: bool = False, index: int = 0, echo_logprobs: bool = False,
+                 with_prompt_logprobs: bool = False):
+        """``echo_logprobs``: the logprobs list the echoed prompt's tokens first (`echo_logprobs`);
+        ``with_prompt_logprobs``: the objects carry vLLM's ``prompt_logprobs``. Both come from `set_prompt`."""
         self.request_id, self.model = request_id, model
         self.index = index  # of the choice these objects carry
         self.created = int(time.time())
@@ -347,17 +360,50 @@ class _Responses:
         self.include_usage = include_usage  # streams: "usage": null on every chunk, then a usage chunk
         self._num_chunks = 0
         self._text_offset = 0  # of the next chunk's text in the completion
+        self._echo_logprobs, self._with_prompt_logprobs = echo_logprobs, with_prompt_logprobs
+        self._prompt: list[TokenLogprob] = []  # every prompt token's, the first's logprob None
+
+    def set_prompt(self, prompt_token_ids: Sequence[int], lps: Sequence[TokenLogprob] | None) -> None:
+        """The prompt's logprobs, as the first delta of its choice 0 carried them (one per token after the
+        first; `GenerateDelta.prompt_logprobs`)."""
+        if prompt_token_ids:
+            self._prompt = [TokenLogprob(prompt_token_ids[0], None), *(lps or ())]
 
     def response(self, text: str, reason: FinishReason, lps: Sequence[TokenLogprob], usage_: dict) -> dict:
+        if self._echo_logprobs:
+            lps = [*self._prompt, *lps]
         choice = self._choice(text, _finish_reason(reason), self._logprobs(lps, 0) if self._with_logprobs else None)
-        return self._object(self.object_name, [choice], usage=usage_)
+        choices, extra = self._with_prompt([choice])
+        return self._object(self.object_name, choices, **extra, usage=usage_)
 
     def chunk(self, text: str, reason: FinishReason | None, lps: Sequence[TokenLogprob]) -> dict:
+        is_first = self._num_chunks == 0
+        if is_first and self._echo_logprobs:
+            lps = [*self._prompt, *lps]
         logprobs = self._logprobs(lps, self._text_offset) if self._with_logprobs else None
-        choice = self._chunk_choice(text, _finish_reason(reason), logprobs, is_first=self._num_chunks == 0)
+        choices, extra = [self._chunk_choice(text, _finish_reason(reason), logprobs, is_first=is_first)], {}
         self._num_chunks += 1
         self._text_offset += len(text)
-        return self._object(self.chunk_object_name, [choice], **({"usage": None} if self.include_usage else {}))
+        if is_first:
+            choices, extra = self._with_prompt(choices)
+        return self._object(self.chunk_object_name, choices, **extra,
+                            **({"usage": None} if self.include_usage else {}))
+
+    def _with_prompt(self, choices: list[dict]) -> tuple[list[dict], dict]:
+        """(choices, top-level fields) with vLLM's ``prompt_logprobs`` where asked for: a completion's in
+        its choice, a chat's beside the choices (as vLLM places them)."""
+        return choices, {}
+
+    def prompt_logprobs_field(self) -> list[dict | None]:
+        """vLLM's shape: None for the first token, then for each a map of token id (a string) to its logprob,
+        rank and text, holding the prompt's token and the top alternatives."""
+        out: list[dict | None] = [None]
+        for lp in self._prompt[1:]:
+            entry = {str(t): {"logprob": p, "rank": r, "decoded_token": self._text_of(t)}
+                     for r, (t, p) in enumerate(lp.top, 1)}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text_of(lp.token_id)}
+            out.append(entry)
+        return out
 
     def usage_chunk(self, usage_: dict) -> dict:
         return self._object(self.chunk_object_name, [], usage=usage_)
@@ -387,15 +433,22 @@ class CompletionResponses(_Responses):
     def _chunk_choice(self, text, reason, logprobs, is_first):
         return self._choice(text, reason, logprobs)
 
+    def _with_prompt(self, choices):
+        if self._with_prompt_logprobs:
+            choices = [dict(c, prompt_logprobs=self.prompt_logprobs_field()) for c in choices]
+        return choices, {}
+
     def _logprobs(self, lps, text_offset):
-        """Parallel lists; ``text_offset`` counts from the completion's start."""
+        """Parallel lists; ``text_offset`` counts from the completion's start (with echo, the prompt's:
+        its first token has no logprob, and null top_logprobs, as OpenAI's legacy API gives)."""
         tokens = [self._text_of(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(text_offset)
             text_offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._text_of(t): p for t, p in lp.top} for lp in lps], "text_offset": offsets}
+                "top_logprobs": [None if lp.logprob is None else {self._text_of(t): p for t, p in lp.top}
+                                 for lp in lps], "text_offset": offsets}
 
 
 class ChatResponses(_Responses):
@@ -421,6 +474,9 @@ class ChatResponses(_Responses):
                 message["tool_calls"] = self._parser.calls
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+    def _with_prompt(self, choices):
+        return choices, ({"prompt_logprobs": self.prompt_logprobs_field()} if self._with_prompt_logprobs else {})
 
     def _chunk_choice(self, text, reason, logprobs, is_first):
         delta = {"role": "assistant", "content": text} if is_first else {"content": text}

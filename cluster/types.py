@@ -50,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt's logprobs, with this many alternatives (None: not asked)
     guided: GuidedSpec | None = None  # the output must match it (engine.guided); checked by the frontend
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

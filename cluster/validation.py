@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from cluster.errors import quote
 from cluster.types import InvalidRequestError, SamplingParams
 from engine.guided import GuidedError, GuidedSpec, check_spec
+from engine.sampling import MAX_LOGPROBS
 
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_LEN = 128
 MAX_LOGIT_BIAS = 300  # tokens, as OpenAI allows
@@ -48,6 +48,7 @@ def validate_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     guided: GuidedSpec | None = None,
     guided_field: str = "guided",
     presence_penalty: float | None = None,
@@ -94,8 +95,9 @@ def validate_request(
     if bad is not None:
         raise InvalidRequestError("stop_token_ids",
                                   f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {quote(logprobs)}")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {quote(value)}")
     if guided is not None:
         try:
             check_spec(guided)  # the grammar engine parses it; the replicas compile it against the vocabulary
@@ -119,7 +121,7 @@ def validate_request(
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k,
         min_p=min_p, seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=ignore_eos, logprobs=logprobs, guided=guided,
+        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, guided=guided,
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in logit_bias.items())),

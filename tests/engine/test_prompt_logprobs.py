@@ -122,3 +122,30 @@ def test_the_generated_tokens_are_the_same_with_prompt_logprobs(folder):
 def test_a_bad_prompt_logprobs_is_refused_by_name(bad):
     with pytest.raises(SamplingError, match="prompt_logprobs: must be an integer between 0 and 20"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_prompt_logprobs_bench_times_each_setting(folder, tmp_path, monkeypatch):
+    """python -m engine.prompt_logprobs_bench on the tiny model: every setting at every length, with its
+    ratio to the run without them in each round, in its own section of BENCHMARKS.md."""
+    import re
+
+    from engine import benchmarks_md, prompt_logprobs_bench
+
+    md = tmp_path / "BENCHMARKS.md"
+    write = benchmarks_md.write_section
+    monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
+    assert prompt_logprobs_bench.main(["--model", str(folder), "--prompt-lens", "9,40", "--top", "0,3",
+                                       "--rounds", "2", "--write"]) == 0
+    text = md.read_text()
+    assert text.count(prompt_logprobs_bench.SECTION) == 1
+    for length in (9, 40):
+        for name in ("without", "prompt_logprobs=0", "prompt_logprobs=3"):
+            row = re.search(rf"^\| {length} \| {re.escape(name)} \| ([\d.]+) \| ([\d.]+), ([\d.]+) \| "
+                            rf"\*\*([\d.]+)x\*\* \|$", text, re.M)
+            assert row and all(float(g) > 0 for g in row.groups()), (length, name, text)
+            if name == "without":
+                assert row.groups()[1:] == ("1.00", "1.00", "1.00")
+    with pytest.raises(SystemExit, match="--top 0,21: each must be 0 to 20"):
+        prompt_logprobs_bench.main(["--model", str(folder), "--top", "0,21"])
+    with pytest.raises(SystemExit, match="--prompt-lens 1: each prompt needs at least 2 tokens"):
+        prompt_logprobs_bench.main(["--model", str(folder), "--prompt-lens", "1"])
