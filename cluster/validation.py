@@ -28,6 +28,14 @@ def check_model(requested: str, served: str) -> None:
         raise InvalidRequestError("model", f"unknown model {quote(requested)}; this server serves {served!r}")
 
 
+def check_served(backend, sampling: SamplingParams, prompt_logprobs_field: str = "prompt_logprobs") -> None:
+    """Refuse what the deployment behind ``backend`` cannot serve: the prompt's logprobs on replicas of
+    several ranks (``backend.prompt_logprobs_refusal``, `cluster.launcher.prompt_logprobs_refusal`)."""
+    refusal = getattr(backend, "prompt_logprobs_refusal", None)
+    if sampling.prompt_logprobs is not None and refusal:
+        raise InvalidRequestError(prompt_logprobs_field, refusal)
+
+
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters")
