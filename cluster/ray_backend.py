@@ -34,6 +34,7 @@ holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -183,12 +184,16 @@ class RayBackend:
         choice's attempt on the same decode (or colocated) replica, whose prompt blocks this one shares there."""
         decode, prefill = placement.decode_replica, placement.prefill_replica
         inbox = self.channels.open(attempt, [decode] + ([prefill] if prefill else []))
+        # the prompt's logprobs come with the first token, from the replica computing the prompt: not from a
+        # decode replica's, nor again once the client has them (a migration after tokens were streamed)
+        unscored = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
+        first = unscored if emitted else params
         try:
             if prefill is None:
-                self.channels.send(decode, Submit(attempt, prompt, params, list(emitted), fork_of))
+                self.channels.send(decode, Submit(attempt, prompt, first, list(emitted), fork_of))
             else:  # the prompt starts computing while the decode replica reserves its blocks
-                self.channels.send(prefill, Prefill(attempt, prompt, params, list(emitted), fork_of))
-                self.channels.send(decode, Reserve(attempt, prompt, params, list(emitted)))
+                self.channels.send(prefill, Prefill(attempt, prompt, first, list(emitted), fork_of))
+                self.channels.send(decode, Reserve(attempt, prompt, unscored, list(emitted)))
         except ChannelError:
             self.channels.close(attempt)
             raise
