@@ -91,10 +91,14 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logprobs: int | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, timeline: bool = False,
-                  guided: dict | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+                  guided: dict | None = None, prompt_logprobs: int | None = None, min_tokens: int | None = None,
+                  include_stop_str_in_output: bool = False, skip_special_tokens: bool | None = None,
+                  allowed_token_ids: Sequence[int] = ()) -> pb.GenerateRequest:
     """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
     ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``prompt_logprobs``: the
-    prompt's tokens' logprobs and ranks (with that many alternatives), on the first chunk. ``guided``: structured
+    prompt's tokens' logprobs and ranks (with that many alternatives), on the first chunk. ``min_tokens``,
+    ``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``: as vLLM's (`engine.sampling.
+    SamplingParams`). ``guided``: structured
     output, one of ``{"json_schema": {...}}``, ``{"json_object": True}``, ``{"regex": "..."}``,
     ``{"choice": ["a", "b"]}``, ``{"grammar": "root ::= ..."}``."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
@@ -103,9 +107,11 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "seed": seed, "logprobs": logprobs, "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
-                "prompt_logprobs": prompt_logprobs}
+                "prompt_logprobs": prompt_logprobs, "min_tokens": min_tokens,
+                "skip_special_tokens": skip_special_tokens}
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                 logit_bias=dict(logit_bias or {}),
+                                 logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids),
+                                 include_stop_str_in_output=include_stop_str_in_output,
                                  **{k: v for k, v in optional.items() if v is not None})
     req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling, timeline=timeline)
     if guided is not None:

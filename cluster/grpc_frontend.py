@@ -165,6 +165,9 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             prompt_logprobs=opt("prompt_logprobs"), guided=_guided(request), guided_field=f"guided.{request.guided.WhichOneof('constraint')}",
             presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
             repetition_penalty=opt("repetition_penalty"), logit_bias=dict(s.logit_bias),
+            min_tokens=opt("min_tokens"), include_stop_str_in_output=s.include_stop_str_in_output,
+            skip_special_tokens=opt("skip_special_tokens") is not False,
+            allowed_token_ids=list(s.allowed_token_ids) or None,
         )
         check_served(b, sampling)
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,

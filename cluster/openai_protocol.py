@@ -62,6 +62,12 @@ class _GenerateBody(_Body):
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     prompt_logprobs: int | None = None  # vLLM's extension: each choice's "prompt_logprobs", this many alternatives
+    # vLLM's extensions (engine.sampling.SamplingParams)
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens (-1: as many as fit)
     user: str | None = None  # the end user's id, for the operator's logs: no effect on the output
     # structured output (cluster.structured): OpenAI's, and vLLM's extras
     response_format: Any = None
@@ -165,7 +171,8 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
     for i, prompt in enumerate(prompts):
         rid = request_id if len(prompts) * n == 1 else f"{request_id}-{i}"
         req = to_generate_request(body, backend, rid, prompt, tools)
-        echo_text = _echo_text(backend.tokenizer, prompt, req.prompt_token_ids) if echo else ""
+        echo_text = (_echo_text(backend.tokenizer, None if body.truncate_prompt_tokens is not None else prompt,
+                                req.prompt_token_ids) if echo else "")
         for j in range(n):
             sampling = req.sampling
             if j and sampling.seed is not None:
@@ -236,6 +243,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         max_tokens_field, max_tokens = "max_tokens", body.max_tokens
         logprobs, logprobs_field = body.logprobs, "logprobs"
     prompt_logprobs = body.prompt_logprobs
+    token_ids = _truncated(token_ids, body.truncate_prompt_tokens, backend.max_model_len)
     if echo_logprobs(body) and 0 <= body.logprobs:  # (a bad logprobs is refused by its own name below)
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     try:
@@ -247,6 +255,8 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias), guided=guided, guided_field=guided_field,
+            min_tokens=body.min_tokens, include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            skip_special_tokens=body.skip_special_tokens is not False, allowed_token_ids=body.allowed_token_ids,
         )
     except InvalidRequestError as e:  # name the field as this body spells it
         renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(e.field)
@@ -261,6 +271,19 @@ def echo_logprobs(body: CompletionBody | ChatBody) -> bool:
     """A completion that echoes its prompt with logprobs lists the prompt's tokens' logprobs first (as
     lm-evaluation-harness scores a continuation: ``echo``, ``logprobs`` 1, ``max_tokens`` 1)."""
     return isinstance(body, CompletionBody) and bool(body.echo) and body.logprobs is not None
+
+
+def _truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as leave a token to
+    generate in the context); None: the prompt as it is."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    if keep < 1:
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1 for the context's length, "
+                                                            f"got {quote(keep)}")
+    return token_ids[-keep:]
 
 
 def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:

@@ -56,6 +56,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's extras (engine.sampling.SamplingParams has their meaning)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass

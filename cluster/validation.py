@@ -63,6 +63,10 @@ def validate_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
+    allowed_token_ids: Sequence[int] | None = None,
 ) -> SamplingParams:
     """Check a tokenized prompt and its sampling parameters; return the params to run with."""
     n = len(prompt_token_ids)
@@ -106,7 +110,20 @@ def validate_request(
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {quote(value)}")
+    min_tokens = 0 if min_tokens is None else min_tokens
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {quote(min_tokens)}")
+    if allowed_token_ids is not None:
+        if not allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids", "must not be empty")
+        bad = next((t for t in allowed_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("allowed_token_ids",
+                                      f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
     if guided is not None:
+        for name, value in (("min_tokens", min_tokens), ("allowed_token_ids", allowed_token_ids)):
+            if value:  # the grammar decides which tokens may come and where the output ends
+                raise InvalidRequestError(name, f"cannot be combined with {guided_field}")
         try:
             check_spec(guided)  # the grammar engine parses it; the replicas compile it against the vocabulary
         except GuidedError as e:
@@ -133,4 +150,7 @@ def validate_request(
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in logit_bias.items())),
+        min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
+        skip_special_tokens=skip_special_tokens,
+        allowed_token_ids=None if allowed_token_ids is None else tuple(sorted(set(allowed_token_ids))),
     )

@@ -54,8 +54,9 @@ class OutputProcessor:
 
         if self.tokenizer is None:
             return ""
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                       skip_special_tokens=seq.params.skip_special_tokens, stop=seq.params.stop)
+        p = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                                       stop=p.stop, include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         self._detok[seq.request_id] = detok
         text = ""
         for t in emitted_token_ids:

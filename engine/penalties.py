@@ -6,6 +6,8 @@ request scores the same whether its first token was sampled on a prefill
 replica and the rest on a decode replica, after a preemption, or after it
 migrated with the tokens its client already had. In order, per row:
 
+    allowed_token_ids   logit[t] = -inf for every t not in it
+    min_tokens          logit[t] = -inf for EOS (unless ignore_eos) and stop_token_ids while the output is shorter
     logit_bias          logit[t] += bias[t]
     repetition_penalty  for t in prompt + output: logit[t] / r if logit[t] > 0 else logit[t] * r
     frequency_penalty   logit[t] -= f * count of t in the output
@@ -24,6 +26,7 @@ def adjust_logits(
     logits: torch.Tensor,  # [N, V] float32
     params: list[SamplingParams],
     histories: list[tuple[Sequence[int], Sequence[int]]],  # each row's (prompt ids, output ids so far)
+    eos_ids: list[frozenset[int]] | None = None,  # each row's EOS tokens, for min_tokens (None: none)
 ) -> torch.Tensor:
     """``logits`` with each row's adjustments applied (a new tensor when any row has one; else ``logits``)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
@@ -35,6 +38,16 @@ def adjust_logits(
     for i in rows:
         p, (prompt, output) = params[i], histories[i]
         row = out[i]  # [V], a view
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(row, float("-inf"))
+            ids = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=dev)
+            keep[ids] = row[ids]
+            row.copy_(keep)
+        if p.min_tokens > len(output):  # what would end the output (EOS does not under ignore_eos)
+            ends = set(p.stop_token_ids) | (set() if p.ignore_eos or not eos_ids else set(eos_ids[i]))
+            banned = sorted(t for t in ends if t < vocab)
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
             row[torch.tensor(ids, dtype=torch.long, device=dev)] += torch.tensor(

@@ -142,5 +142,6 @@ class ModelRunner:
             apply_masks(logits, [samplers[i].seq.grammar for i in guided], guided)
         tokens, infos = self.sampler(
             logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers],
-            [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers])
+            [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers],
+            [s.seq.eos_token_ids for s in samplers])
         return {s.seq.request_id: (t, info) for s, t, info in zip(samplers, tokens, infos)}

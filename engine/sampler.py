@@ -51,6 +51,7 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],  # each row's output position (tokens the request has produced so far)
         histories: list[tuple[Sequence[int], Sequence[int]]] | None = None,  # each row's (prompt, output) ids
+        eos_ids: list[frozenset[int]] | None = None,  # each row's EOS tokens (min_tokens masks them)
     ) -> tuple[list[int], list[dict | None]]:
         """Logprobs are those of the model's logits, before bias, penalties and temperature."""
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -60,7 +61,7 @@ class Sampler:
         if any(p.adjusts_logits for p in params):
             if histories is None:
                 raise ValueError("histories: needed for rows with penalties or logit_bias")
-            logits = adjust_logits(logits, params, histories)
+            logits = adjust_logits(logits, params, histories, eos_ids)
         tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
         for i, p in enumerate(params):
             if p.is_greedy:

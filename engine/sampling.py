@@ -61,6 +61,10 @@ class SamplingParams:
     # no prefix-cache hit skips positions whose logits they need
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's: no EOS or stop token can be sampled, and no stop string ends the output, before this many tokens
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output is kept in its text
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens can be sampled (None: any)
     guided: GuidedSpec | None = None  # the output must match this (engine.guided)
     # OpenAI's penalties, in [-2, 2], on the output so far: each logit minus
     # presence_penalty if the token occurs in it, minus frequency_penalty times its count
@@ -80,6 +84,8 @@ class SamplingParams:
         self.stop = [] if self.stop is None else list(self.stop) if isinstance(self.stop, tuple) else self.stop
         self.stop_token_ids = ([] if self.stop_token_ids is None else list(self.stop_token_ids)
                                if isinstance(self.stop_token_ids, tuple) else self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     @property
@@ -92,6 +98,8 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else choice_seed(self.seed, index),
                                    prompt_logprobs=self.prompt_logprobs if index == 0 else None,
                                    stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                   allowed_token_ids=None if self.allowed_token_ids is None
+                                   else list(self.allowed_token_ids),
                                    logit_bias=dict(self.logit_bias))
 
     @property
@@ -100,8 +108,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler changes this request's logits before sampling (penalties, logit_bias)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether the sampler changes this request's logits before sampling (penalties, logit_bias,
+        allowed_token_ids, and min_tokens' mask of the stop tokens)."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.min_tokens > 0)
 
     def validate(self) -> None:
         def bad(name: str, msg: str):
@@ -142,6 +152,18 @@ class SamplingParams:
                 bad(name, "must be in [-2, 2]")
         if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             bad("repetition_penalty", "must be a finite number > 0")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "must be true or false")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.guided is not None:  # the grammar decides which tokens may come and where the output ends
+            for name in ("min_tokens", "allowed_token_ids"):
+                if getattr(self, name):
+                    bad(name, "cannot be combined with guided decoding (structured output)")
         if not isinstance(self.logit_bias, dict) or any(
                 not is_int(t) or t < 0 or not is_real(b) or not -100.0 <= b <= 100.0
                 for t, b in self.logit_bias.items()):

@@ -118,16 +118,20 @@ class IncrementalDetokenizer:
     many ids are pending, the latest earlier one.
 
     Text that could be the start of a stop string is held back; when a stop
-    string appears, `stopped` is set, the output ends just before it and later
-    steps return "". Call `flush()` when the stream ends to get whatever is
-    still held back.
+    string appears, `stopped` is set, the output ends just before it (after
+    it with ``include_stop``) and later steps return "". Stop strings are
+    looked for only once ``min_tokens`` output tokens have been stepped in
+    (vLLM's min_tokens; text out before then is not searched). Call `flush()`
+    when the stream ends to get whatever is still held back.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-                 skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (), include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
+        self._include_stop, self._min_tokens, self._num_tokens = include_stop, min_tokens, 0
         # Window of ids: the first `_read` are context, already decoded; the rest are pending.
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._read = len(self._ids)
@@ -146,7 +150,9 @@ class IncrementalDetokenizer:
         """Add output tokens; return the text they complete (possibly "")."""
         if self.stopped:
             return ""
+        n = len(self._ids)
         self._ids.extend(new_token_ids)
+        self._num_tokens += len(self._ids) - n
         return self._release(self._decode_new(final=False))
 
     def flush(self) -> str:
@@ -190,11 +196,12 @@ class IncrementalDetokenizer:
         if not delta and not self._held:
             return ""
         buf = self._held + delta
-        cut = self._first_stop(buf)
-        if cut is not None:
+        if self._num_tokens < self._min_tokens:  # too early to stop: nothing to look for, nothing to hold
+            out, self._held = buf, ""
+        elif (cut := self._first_stop(buf)) is not None:
             self.stopped = True
             self.stop_string = min((s for s in self._stop if buf.find(s) == cut), key=len)
-            out, self._held = buf[:cut], ""
+            out, self._held = buf[:cut + (len(self.stop_string) if self._include_stop else 0)], ""
         else:
             keep = self._stop_prefix_len(buf)
             out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]

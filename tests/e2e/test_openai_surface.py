@@ -151,3 +151,41 @@ def test_the_responses_api_answers_as_a_chat_would(client, model, cluster):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
+
+
+def test_vllm_sampling_extras(client, model, cluster):
+    """min_tokens, include_stop_str_in_output, skip_special_tokens, allowed_token_ids and
+    truncate_prompt_tokens as vLLM's clients send them (extra_body), and over gRPC: the first token is the
+    prefill replica's, the rest the decode replica's, and each keeps to them."""
+    count = "Count: 1, 2, 3, 4, 5, 6, 7, 8"
+    plain = _greedy(client, model, count, extra_body={"stop": [","]})
+    assert plain.finish_reason == "stop" and "," not in plain.text
+    kept = _greedy(client, model, count, extra_body={"stop": [","], "include_stop_str_in_output": True})
+    assert kept.text == plain.text + ","
+    late = _greedy(client, model, count, extra_body={"stop": [","], "min_tokens": 6})
+    assert late.text.startswith(plain.text + ",") and len(late.logprobs.tokens) >= 6
+    end = _tokenize(cluster, "<|im_end|>")["tokens"]
+    assert len(end) == 1
+    forced = dict(max_tokens=2, temperature=0, logit_bias={str(end[0]): 100}, extra_body={"ignore_eos": True})
+    assert client.completions.create(model=model, prompt=count, **forced).choices[0].text == ""
+    shown = client.completions.create(model=model, prompt=count, **dict(
+        forced, extra_body={"ignore_eos": True, "skip_special_tokens": False}))
+    assert shown.choices[0].text == "<|im_end|>" * 2
+    allowed = [_tokenize(cluster, w)["tokens"][0] for w in (" red", " blue")]
+    only = client.completions.create(model=model, prompt="Colors:", max_tokens=6, temperature=1.0, seed=1,
+                                     extra_body={"allowed_token_ids": allowed})
+    assert set(_tokenize(cluster, only.choices[0].text)["tokens"]) <= set(allowed)
+    cut = client.completions.create(model=model, prompt=count, max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    last4 = _tokenize(cluster, count)["tokens"][-4:]
+    request = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/detokenize", method="POST",
+                                     data=json.dumps({"tokens": last4}).encode())
+    with urllib.request.urlopen(request, timeout=30) as r:
+        echoed = json.loads(r.read())["prompt"]
+    assert cut.usage.prompt_tokens == 4 and len(echoed) < len(count) and cut.choices[0].text.startswith(echoed)
+    out = cluster.client.generate(count, max_tokens=16, temperature=0, stop=[","], min_tokens=6,
+                                  include_stop_str_in_output=True)
+    assert out.text.startswith(plain.text + ",") and out.text.endswith(",")
+    out = cluster.client.generate("Colors:", max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
