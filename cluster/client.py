@@ -72,7 +72,8 @@ class Completion:
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timeline: RequestTimeline | None = None  # when asked for (timeline=True)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for: each prompt token's but the first
+    # when asked for (prompt_logprobs=k): each prompt token's but the first
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -425,7 +425,8 @@ class _Responses:
         for lp in self._prompt[1:]:
             entry = {str(t): {"logprob": p, "rank": r, "decoded_token": self._text_of(t)}
                      for r, (t, p) in enumerate(lp.top, 1)}
-            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text_of(lp.token_id)}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+                                       "decoded_token": self._text_of(lp.token_id)}
             out.append(entry)
         return out
 

@@ -58,7 +58,8 @@ def engine_params(req: GenerateRequest) -> EngineSamplingParams:
     return EngineSamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, presence_penalty=s.presence_penalty,
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+        presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
         logit_bias=dict(s.logit_bias), guided=s.guided, min_tokens=s.min_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output, skip_special_tokens=s.skip_special_tokens,
