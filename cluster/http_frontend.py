@@ -18,7 +18,7 @@ A completion: authenticate (``Authorization: Bearer <key>`` when keys are
 configured) → parse the body (`cluster.openai_protocol`) → tokenize and
 validate (shared with gRPC) → run it (`cluster.serving.run_request`, which
 aborts on any early exit and records the metrics) → one JSON object, or
-server-sent events ``data: {...}`` ending ``data: [DONE]``. A streaming
+server-sent events ``data: {...}`` ending ``data: [DONE]`` (`cluster.openai_objects`). A streaming
 response starts only once the first delta is in, so a refusal still gets
 its status code. Errors use OpenAI's shape ``{"error": {message, type,
 param, code}}``:
@@ -58,6 +58,7 @@ from aiohttp import web
 from cluster import errors
 from cluster import health as health_check
 from cluster import http_responses
+from cluster import openai_objects as oai_out
 from cluster import openai_protocol as oai
 from cluster import openai_tokenize as tok
 from cluster.backend import Backend
@@ -153,15 +154,15 @@ class HttpFrontend:
 
     # ---- generation ------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.CompletionResponses)
+        return await self._generate(request, oai_out.CompletionResponses)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.ChatResponses)
+        return await self._generate(request, oai_out.ChatResponses)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, None)
 
-    async def _generate(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses] | None
+    async def _generate(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses] | None
                         ) -> web.StreamResponse:
         """``responses`` None: the Responses API's objects."""
         task = asyncio.current_task()
@@ -173,7 +174,7 @@ class HttpFrontend:
         finally:
             self._running.discard(task)
 
-    async def _run(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses]
+    async def _run(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses]
                    ) -> web.StreamResponse:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             self.metrics.count_rejected("http", "unauthenticated")
@@ -190,7 +191,7 @@ class HttpFrontend:
         if len(choices) > 1 or choices[0].echo_text:
             return await self._run_choices(request, responses, body, response_id, choices, tools)
         req = choices[0].request
-        out = responses(req.request_id, self.backend.model_name, oai.token_text(self.backend.tokenizer),
+        out = responses(req.request_id, self.backend.model_name, oai_out.token_text(self.backend.tokenizer),
                         with_logprobs=req.sampling.logprobs is not None, include_usage=body.include_usage,
                         with_prompt_logprobs=body.prompt_logprobs is not None,
                         **({"tools": tools} if tools is not None else {}))
@@ -210,18 +211,18 @@ class HttpFrontend:
             return await self._collect(req, out, first, deltas)
 
     @staticmethod
-    async def _collect(req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+    async def _collect(req: GenerateRequest, out: oai_out.CompletionResponses | oai_out.ChatResponses,
                        first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
         whole = await gather(req, first, deltas)
         if isinstance(whole, web.Response):
             return whole
         delta = whole.last
-        usage = oai.usage(req.num_prompt_tokens, whole.num_tokens, delta.num_cached_tokens)
+        usage = oai_out.usage(req.num_prompt_tokens, whole.num_tokens, delta.num_cached_tokens)
         return web.json_response(_with_timeline(out.response(whole.text, delta.finish_reason, whole.logprobs,
                                                              usage), req, delta))
 
     @staticmethod
-    async def _stream(request: web.Request, req: GenerateRequest, out: oai.CompletionResponses | oai.ChatResponses,
+    async def _stream(request: web.Request, req: GenerateRequest, out: oai_out.CompletionResponses | oai_out.ChatResponses,
                       first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -243,7 +244,7 @@ class HttpFrontend:
                     is_first = False
                 if delta.finish_reason is not None:
                     if out.include_usage:
-                        await send(out.usage_chunk(oai.usage(req.num_prompt_tokens, num_tokens,
+                        await send(out.usage_chunk(oai_out.usage(req.num_prompt_tokens, num_tokens,
                                                              delta.num_cached_tokens)))
                     break
                 try:
@@ -258,11 +259,11 @@ class HttpFrontend:
         return response
 
     # ---- several choices (a list of prompts, n > 1) or echo -------------------------
-    async def _run_choices(self, request: web.Request, responses: type[oai.CompletionResponses | oai.ChatResponses],
+    async def _run_choices(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses],
                            body, response_id: str, choices: list[oai.Choice], tools=None) -> web.StreamResponse:
         """Every choice runs as its own request, all at once; the response starts once each has its first
         delta (a refusal of any is the response's status), and a failure of any fails the response."""
-        text_of = oai.token_text(self.backend.tokenizer)
+        text_of = oai_out.token_text(self.backend.tokenizer)
         outs = [responses(response_id, self.backend.model_name, text_of,
                           with_logprobs=c.request.sampling.logprobs is not None, include_usage=body.include_usage,
                           index=c.index, echo_logprobs=oai.echo_logprobs(body),
@@ -302,7 +303,7 @@ class HttpFrontend:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             return error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
-        return web.json_response(oai.model_list(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
+        return web.json_response(oai_out.model_list(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
     async def model(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
@@ -311,7 +312,7 @@ class HttpFrontend:
         if request.match_info["model"] != b.model_name:
             return error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
                                f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
-        return web.json_response(oai.model_card(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
+        return web.json_response(oai_out.model_card(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenization(request, tok.TokenizeBody, tok.tokenize)
@@ -378,7 +379,7 @@ def _choices_usage(choices: list[oai.Choice], num_tokens: list[int], num_cached:
     cached: dict[int, int] = {}
     for c, n in zip(choices, num_cached):
         cached[c.prompt_index] = max(n, cached.get(c.prompt_index, 0))
-    return oai.usage(sum(r.num_prompt_tokens for r in prompts.values()), sum(num_tokens), sum(cached.values()))
+    return oai_out.usage(sum(r.num_prompt_tokens for r in prompts.values()), sum(num_tokens), sum(cached.values()))
 
 
 async def _collect_choices(choices: list[oai.Choice], outs: list, deltas) -> web.Response:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cluster import errors
-from cluster import openai_protocol as oai
+from cluster import openai_objects as oai_out
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
 
 log = logging.getLogger("cluster.http_frontend")
@@ -19,7 +19,7 @@ log = logging.getLogger("cluster.http_frontend")
 
 def error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
           headers: dict | None = None) -> web.Response:
-    return web.json_response(oai.error_body(message, type_, param, code), status=status, headers=headers)
+    return web.json_response(oai_out.error_body(message, type_, param, code), status=status, headers=headers)
 
 
 def invalid(e: InvalidRequestError) -> web.Response:
@@ -29,8 +29,8 @@ def invalid(e: InvalidRequestError) -> web.Response:
 
 
 def failure_body(failure: errors.Failure) -> dict:
-    return oai.error_body(failure.message, failure.code.openai_type, failure.field,
-                          failure.openai_code or failure.code.openai_code)
+    return oai_out.error_body(failure.message, failure.code.openai_type, failure.field,
+                              failure.openai_code or failure.code.openai_code)
 
 
 def failed(failure: errors.Failure) -> web.Response:

@@ -13,7 +13,8 @@ are those a completion of the same prompt would compute.
 from __future__ import annotations
 
 from cluster.backend import Backend
-from cluster.openai_protocol import ChatMessage, _Body, _chat_messages, token_text
+from cluster.openai_objects import token_text
+from cluster.openai_protocol import ChatMessage, _Body, _chat_messages
 from cluster.types import InvalidRequestError
 from cluster.validation import check_model
 
