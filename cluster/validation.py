@@ -36,6 +36,12 @@ def check_served(backend, sampling: SamplingParams, prompt_logprobs_field: str =
         raise InvalidRequestError(prompt_logprobs_field, refusal)
 
 
+def _check_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(field, f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters")
@@ -72,9 +78,7 @@ def validate_request(
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("prompt", "must not be empty")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError("prompt", f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
+    _check_ids("prompt", prompt_token_ids, vocab_size)
     if n >= max_model_len:
         raise InvalidRequestError("prompt", f"{n} tokens leave no room to generate in the model's "
                                             f"context of {max_model_len} tokens")
@@ -103,10 +107,7 @@ def validate_request(
         raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     if any(not s for s in stop):
         raise InvalidRequestError("stop", "strings must not be empty")
-    bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError("stop_token_ids",
-                                  f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
+    _check_ids("stop_token_ids", stop_token_ids, vocab_size)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {quote(value)}")
@@ -116,10 +117,7 @@ def validate_request(
     if allowed_token_ids is not None:
         if not allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids", "must not be empty")
-        bad = next((t for t in allowed_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError("allowed_token_ids",
-                                      f"token id {quote(bad)} is outside the vocabulary [0, {vocab_size})")
+        _check_ids("allowed_token_ids", allowed_token_ids, vocab_size)
     if guided is not None:
         for name, value in (("min_tokens", min_tokens), ("allowed_token_ids", allowed_token_ids)):
             if value:  # the grammar decides which tokens may come and where the output ends
