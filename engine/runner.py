@@ -114,14 +114,12 @@ class ModelRunner:
         owners: list[tuple[ScheduledSeq, int]] = []  # (scheduled sequence, position) of each row
         for s, row0 in _row_starts(batch):
             seq = s.seq
-            if not seq.prompt_logprobs_pending:
+            first = len(seq.prompt_logprobs)  # the positions before it were scored already
+            if not seq.prompt_logprobs_pending or s.start > first:
                 continue
-            first = max(s.start, len(seq.prompt_logprobs))  # positions before it were scored already
-            last = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # exclusive
-            if first == len(seq.prompt_logprobs):
-                for p in range(first, last):
-                    rows.append(row0 + p - s.start)
-                    owners.append((s, p))
+            for p in range(first, min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)):
+                rows.append(row0 + p - s.start)
+                owners.append((s, p))
         for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             part = owners[i:i + PROMPT_LOGPROB_ROWS]
             lp = self.model.compute_logits(hidden[rows[i:i + PROMPT_LOGPROB_ROWS]]).float().log_softmax(-1).cpu()

@@ -150,9 +150,9 @@ class IncrementalDetokenizer:
         """Add output tokens; return the text they complete (possibly "")."""
         if self.stopped:
             return ""
-        n = len(self._ids)
+        new_token_ids = list(new_token_ids)
         self._ids.extend(new_token_ids)
-        self._num_tokens += len(self._ids) - n
+        self._num_tokens += len(new_token_ids)
         return self._release(self._decode_new(final=False))
 
     def flush(self) -> str:
