@@ -64,13 +64,19 @@ def side_by_side_parser(module: str, doc: str, section: str, single_stream: bool
     if single_stream:
         p.add_argument("--prompt-len", type=int, default=128)
         p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--write", action="store_true", help="replace the section --section of BENCHMARKS.md")
-    p.add_argument("--section", type=section_heading, default=section,
-                   help=f"the heading to write under (default {section!r})")
+    add_output_arguments(p, section)
     return p
 
 
-def section_heading(text: str) -> str:
+def add_output_arguments(p: argparse.ArgumentParser, section: str) -> None:
+    """--write, and --section: the BENCHMARKS.md heading a script writes under (`section` unless another
+    is named, as for another CPU's figures)."""
+    p.add_argument("--write", action="store_true", help="replace the section --section of BENCHMARKS.md")
+    p.add_argument("--section", type=_heading, default=section,
+                   help=f"the heading to write under (default {section!r})")
+
+
+def _heading(text: str) -> str:
     """An argparse type: a BENCHMARKS.md heading (`## ...`), for a script's --section."""
     if not text.startswith("## "):
         raise argparse.ArgumentTypeError(f"{text!r}: a BENCHMARKS.md section heading starts with '## '")

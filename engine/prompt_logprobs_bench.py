@@ -63,15 +63,14 @@ def run(model: str | None, lengths: list[int], tops: list[int], rounds: int) -> 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from engine.benchmarks_md import section_heading, command_line, comma_list, cpu_isa_text, provenance, publish
+    from engine.benchmarks_md import add_output_arguments, command_line, comma_list, cpu_isa_text, provenance, publish
 
     p = argparse.ArgumentParser(prog="python -m engine.prompt_logprobs_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt-lens", default="128,512,2000", help="prompt lengths, comma-separated")
     p.add_argument("--top", default="0,5", help="top alternatives per position to compare, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--write", action="store_true", help="replace the section --section of BENCHMARKS.md")
-    p.add_argument("--section", type=section_heading, default=SECTION, help=f"the heading to write under (default {SECTION!r})")
+    add_output_arguments(p, SECTION)
     args = p.parse_args(argv)
     lengths, tops = comma_list(args.prompt_lens, int), comma_list(args.top, int)
     if not lengths or any(n < 2 for n in lengths):
