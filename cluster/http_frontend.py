@@ -162,7 +162,7 @@ class HttpFrontend:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, None)
 
-    async def _generate(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses] | None
+    async def _generate(self, request: web.Request, responses: type[oai_out.CompletionOrChatResponses] | None
                         ) -> web.StreamResponse:
         """``responses`` None: the Responses API's objects."""
         task = asyncio.current_task()
@@ -174,7 +174,7 @@ class HttpFrontend:
         finally:
             self._running.discard(task)
 
-    async def _run(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses]
+    async def _run(self, request: web.Request, responses: type[oai_out.CompletionOrChatResponses]
                    ) -> web.StreamResponse:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             self.metrics.count_rejected("http", "unauthenticated")
@@ -211,7 +211,7 @@ class HttpFrontend:
             return await self._collect(req, out, first, deltas)
 
     @staticmethod
-    async def _collect(req: GenerateRequest, out: oai_out.CompletionResponses | oai_out.ChatResponses,
+    async def _collect(req: GenerateRequest, out: oai_out.CompletionOrChatResponses,
                        first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.Response:
         whole = await gather(req, first, deltas)
         if isinstance(whole, web.Response):
@@ -222,7 +222,7 @@ class HttpFrontend:
                                                              usage), req, delta))
 
     @staticmethod
-    async def _stream(request: web.Request, req: GenerateRequest, out: oai_out.CompletionResponses | oai_out.ChatResponses,
+    async def _stream(request: web.Request, req: GenerateRequest, out: oai_out.CompletionOrChatResponses,
                       first: GenerateDelta, deltas: AsyncIterator[GenerateDelta]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -259,7 +259,7 @@ class HttpFrontend:
         return response
 
     # ---- several choices (a list of prompts, n > 1) or echo -------------------------
-    async def _run_choices(self, request: web.Request, responses: type[oai_out.CompletionResponses | oai_out.ChatResponses],
+    async def _run_choices(self, request: web.Request, responses: type[oai_out.CompletionOrChatResponses],
                            body, response_id: str, choices: list[oai.Choice], tools=None) -> web.StreamResponse:
         """Every choice runs as its own request, all at once; the response starts once each has its first
         delta (a refusal of any is the response's status), and a failure of any fails the response."""
@@ -303,7 +303,8 @@ class HttpFrontend:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
             return error(401, problem, "authentication_error", code="invalid_api_key")
         b = self.backend
-        return web.json_response(oai_out.model_list(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
+        return web.json_response(oai_out.model_list(b.model_name, b.max_model_len, self._created,
+                                                  getattr(b, "tokenizer_dir", None)))
 
     async def model(self, request: web.Request) -> web.Response:
         if (problem := self._api_keys.check(request.headers.get("Authorization"))) is not None:
@@ -312,7 +313,8 @@ class HttpFrontend:
         if request.match_info["model"] != b.model_name:
             return error(404, f"model: unknown model {errors.quote(request.match_info['model'])}; this server "
                                f"serves {b.model_name!r}", "invalid_request_error", "model", "model_not_found")
-        return web.json_response(oai_out.model_card(b.model_name, b.max_model_len, self._created, getattr(b, "tokenizer_dir", None)))
+        return web.json_response(oai_out.model_card(b.model_name, b.max_model_len, self._created,
+                                                  getattr(b, "tokenizer_dir", None)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenization(request, tok.TokenizeBody, tok.tokenize)

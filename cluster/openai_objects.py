@@ -197,6 +197,9 @@ class ChatResponses(_Responses):
                             for lp in lps], "refusal": None}
 
 
+CompletionOrChatResponses = CompletionResponses | ChatResponses  # either endpoint's objects
+
+
 def _finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value  # stop, length; abort when the operator aborted
 
