@@ -130,6 +130,7 @@ def test_grpc_prompt_logprobs(cluster, reference):
     with pytest.raises(KVRelayError) as e:
         cluster.client.generate("Hi", max_tokens=1, prompt_logprobs=-1)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith("prompt_logprobs")
+    assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
 
 
 def test_chat_prompt_logprobs_and_bad_values(cluster):
@@ -142,3 +143,4 @@ def test_chat_prompt_logprobs_and_bad_values(cluster):
     assert status == 400 and r["error"]["param"] == "prompt_logprobs", r
     status, r = post(cluster.http_port, "completions", {"prompt": "Hi", "echo": True, "logprobs": 50})
     assert status == 400 and r["error"]["param"] == "logprobs", r
+    assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}

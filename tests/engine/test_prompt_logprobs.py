@@ -63,6 +63,7 @@ def test_prompt_logprobs_match_transformers(folder, hf, k):
     prompts = random_prompts(3, VOCAB, [5, 17, 30])
     for out in llm.generate(prompts, params(k)):
         check(out, hf, k)
+    assert llm.core.pool.is_fully_free()
 
 
 def test_chunked_prefill_gives_the_same_prompt_logprobs(folder, hf):
@@ -72,6 +73,7 @@ def test_chunked_prefill_gives_the_same_prompt_logprobs(folder, hf):
     outs = llm.generate(prompts, params())
     for out in outs:
         check(out, hf, 2)
+    assert llm.core.pool.is_fully_free()
 
 
 def test_a_cached_prefix_does_not_skip_positions(folder, hf):
@@ -85,6 +87,7 @@ def test_a_cached_prefix_does_not_skip_positions(folder, hf):
     assert out.num_cached_tokens == 0
     again = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
     assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
+    assert llm.core.pool.is_fully_free()
 
 
 def test_preempted_requests_keep_one_logprob_per_position(folder, hf):
@@ -97,6 +100,7 @@ def test_preempted_requests_keep_one_logprob_per_position(folder, hf):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     for out in outs:
         check(out, hf, 1)
+    assert llm.core.pool.is_fully_free()
 
 
 def test_every_choice_gets_choice_zeros_prompt_logprobs(folder, hf):
@@ -107,6 +111,7 @@ def test_every_choice_gets_choice_zeros_prompt_logprobs(folder, hf):
     for out in outs:
         check(out, hf, 1)
     assert outs[1].prompt_logprobs == outs[0].prompt_logprobs
+    assert llm.core.pool.is_fully_free()
 
 
 def test_the_generated_tokens_are_the_same_with_prompt_logprobs(folder):
@@ -116,6 +121,7 @@ def test_the_generated_tokens_are_the_same_with_prompt_logprobs(folder):
     scored = llm.generate(prompts, params(4, max_tokens=8))
     assert [o.token_ids for o in scored] == [o.token_ids for o in plain]
     assert all(o.prompt_logprobs is None for o in plain)
+    assert llm.core.pool.is_fully_free()
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, True])

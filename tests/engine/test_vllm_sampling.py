@@ -47,6 +47,7 @@ def test_min_tokens_holds_back_the_stop_tokens(llm):
         out = llm.generate([prompt], greedy(stop_token_ids=[first], min_tokens=5))[0]
         assert len(out.token_ids) >= 5 and first not in out.token_ids[:5] and EOS not in out.token_ids[:5]
         assert out.finish_reason == ("stop" if out.token_ids[-1] in (first, EOS) else "length")
+    assert llm.core.pool.is_fully_free()
 
 
 def test_allowed_token_ids_is_the_argmax_among_them(llm, hf):
@@ -60,6 +61,7 @@ def test_allowed_token_ids_is_the_argmax_among_them(llm, hf):
     assert out.token_ids == [allowed[int(row[allowed].argmax())] for row in logits]
     sampled = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.5, seed=3, allowed_token_ids=[9, 10]))
     assert set(sampled[0].token_ids) <= {9, 10}
+    assert llm.core.pool.is_fully_free()
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -97,3 +99,4 @@ def test_stop_strings_with_the_default_models_tokenizer(default_model_dir):
     assert llm.generate(prompt, greedy(**forced))[0].text == ""
     shown = llm.generate(prompt, greedy(**forced, skip_special_tokens=False))[0]
     assert shown.token_ids == [end] * 3 and shown.text == llm.tokenizer.decode([end], skip_special_tokens=False) * 3
+    assert llm.core.pool.is_fully_free()
