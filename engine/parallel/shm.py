@@ -87,6 +87,7 @@ class SegmentLayout:
         return self.size // self.pp
 
     # flag slots, in int64 units, each on its own line: [AR rank 0..n) [GATHER rank 0..n) ABORT CTRL_SEQ
+    # (a TP group's first rank's GATHER flag: the gathers it has read, so the others may write again)
     # [CTRL_LEN slot 0..ctrl_slots) [CTRL_ACK rank 0..n) [ACT_SEQ boundary 0..pp-1)
     # [ACT_ACK boundary x tp rank) RET_SEQ RET_ACK [DONE stage 0..pp)
     @staticmethod
@@ -410,7 +411,10 @@ class ShmGroup:
         lay = self.layout
         n, vs = x.shape
         nbytes = x.numel() * x.element_size()
+        ack = lay.gather_flag(self.group[0])  # the group's first rank raises its own flag once it read gather g
         if self.rank != 0:  # (to the group's first rank)
+            if g > 1:  # its slot is free once the previous gather was read (several gathers may run back to back)
+                self._wait(ack, g - 1, "logits gather (slot reuse)")
             self._raw[lay.gather_offset(self.seg_rank):][:nbytes].view(x.dtype).view(n, vs).copy_(x)
             self._flags[lay.gather_flag(self.seg_rank)] = g
             return
@@ -418,6 +422,7 @@ class ShmGroup:
         for j, r in enumerate(self.group[1:], start=1):
             self._wait(lay.gather_flag(r), g, "logits gather")
             out[:, j * vs:(j + 1) * vs].copy_(self._raw[lay.gather_offset(r):][:nbytes].view(x.dtype).view(n, vs))
+        self._flags[ack] = g
 
     # ---- control channel (rank 0 -> the others) --------------------------
     def send(self, payload: bytes) -> None:
