@@ -36,7 +36,7 @@ from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            RequestTimeline, TokenLogprob)
-from cluster.validation import check_model, check_request_id, check_served, validate_request
+from cluster.validation import check_model, check_request_id, validate_request
 from engine.guided import GuidedError, GuidedSpec
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
@@ -170,7 +170,6 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             skip_special_tokens=opt("skip_special_tokens") is not False,
             allowed_token_ids=list(s.allowed_token_ids) or None,
         )
-        check_served(b, sampling)
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
                                timeline=request.timeline)
 

@@ -335,17 +335,6 @@ async def _bounded(coro, timeout_s: float, what: str) -> None:
         log.exception("stopping: %s failed to stop; going on", what)
 
 
-def prompt_logprobs_refusal(config: ClusterConfig) -> str | None:
-    """Why this deployment cannot score a prompt (`SamplingParams.prompt_logprobs`), or None: the replicas
-    that compute prompts (every stage's but decode's) must be of one rank each, as `EngineCore.add` holds."""
-    for stage, sc in config.stages.items():
-        if stage is not Stage.DECODE and sc.num_ranks > 1:
-            return (f"not served by this deployment: its {stage.value} replicas run {sc.num_ranks} ranks each "
-                    f"(tensor_parallel_size {sc.tensor_parallel_size} x pipeline_parallel_size "
-                    f"{sc.pipeline_parallel_size}), and scoring a prompt needs replicas of one rank")
-    return None
-
-
 async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_joined: bool, respawn,
                         tolerate_missing: bool = False, node: str = "127.0.0.1",
                         on_failed=None) -> RayBackend:
@@ -365,7 +354,6 @@ async def build_backend(config: ClusterConfig, model_dir: str, actors: dict, is_
                          channel_ports=ports, health=config.health, respawn=respawn,
                          on_failed=on_failed)
     backend.tokenizer_dir = model_dir  # the checkpoint folder holds the tokenizer (`kvrelay models`, /v1/models)
-    backend.prompt_logprobs_refusal = prompt_logprobs_refusal(config)
     await backend.start(tolerate_missing=tolerate_missing)
     return backend
 

@@ -25,7 +25,7 @@ from cluster.errors import quote
 from cluster.serving import encode_chat, encode_text
 from cluster.structured import guided_spec
 from cluster.types import GenerateRequest, InvalidRequestError
-from cluster.validation import check_model, check_served, validate_request
+from cluster.validation import check_model, validate_request
 from engine.sampling import MAX_CHOICES, choice_seed
 
 
@@ -261,7 +261,6 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
         if renamed and renamed != e.field:
             raise InvalidRequestError(renamed, e.problem.replace("max_tokens", renamed)) from None
         raise
-    check_served(backend, sampling, "prompt_logprobs" if body.prompt_logprobs is not None else "echo")
     return GenerateRequest(request_id, token_ids, sampling, timeline=bool(body.kvrelay_timeline))
 
 

@@ -28,14 +28,6 @@ def check_model(requested: str, served: str) -> None:
         raise InvalidRequestError("model", f"unknown model {quote(requested)}; this server serves {served!r}")
 
 
-def check_served(backend, sampling: SamplingParams, prompt_logprobs_field: str = "prompt_logprobs") -> None:
-    """Refuse what the deployment behind ``backend`` cannot serve: the prompt's logprobs on replicas of
-    several ranks (``backend.prompt_logprobs_refusal``, `cluster.launcher.prompt_logprobs_refusal`)."""
-    refusal = getattr(backend, "prompt_logprobs_refusal", None)
-    if sampling.prompt_logprobs is not None and refusal:
-        raise InvalidRequestError(prompt_logprobs_field, refusal)
-
-
 def _check_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:

@@ -182,10 +182,6 @@ class EngineCore:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already running")
-        if seq.params.prompt_logprobs is not None and type(self.runner) is not ModelRunner:
-            raise ValueError(f"prompt_logprobs: not supported on a replica of several ranks (this one runs "
-                             f"{self.runner.kind}); serve it with tensor_parallel_size and "
-                             f"pipeline_parallel_size 1")
         # a resumed sequence computes its output so far with the prompt
         self.check_prompt(seq.token_ids, 1 if seq.prefill_only else seq.params.max_tokens - seq.num_output_tokens)
         grammar = self.prepare_grammar(seq.params)

@@ -1,6 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model, and samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.attention import BatchMetadata, PrefillChunk
@@ -8,9 +10,11 @@ from engine.guided import apply_masks
 from engine.model import LayerHook, LlamaModel
 from engine.profiling import FORWARD, SAMPLE, phase
 from engine.sampler import Sampler
+from engine.sampling import MAX_LOGPROBS
 from engine.scheduler import ScheduledSeq
 
-PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (ModelRunner.prompt_logprobs)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (score_rows)
+SCORE_WIDTH = 2 + 2 * MAX_LOGPROBS  # the most numbers a scored position comes back as (PromptScores.width)
 
 
 def _split(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
@@ -26,6 +30,78 @@ def _row_starts(batch: list[ScheduledSeq]):
     for s in decodes + prefills:
         yield s, row
         row += s.num_new_tokens
+
+
+@dataclass
+class PromptScores:
+    """The prompt positions a step scores (`SamplingParams.prompt_logprobs`): position p's logits
+    score prompt token p + 1. Rank 0 plans them (`plan_scores`); the other ranks of a tensor- or
+    pipeline-parallel replica get ``rows``, ``targets`` and ``top`` in the step message
+    (engine.parallel.step) and join the LM head's calls on those rows, in the same slices, and the
+    rank that holds the full logits (rank 0; with pipeline parallelism the last stage's leader)
+    reduces each row to `width` numbers (`score_rows`), which rank 0 hands to the sequences (`apply`)."""
+
+    rows: list[int]  # each scored position's row in the step's hidden states
+    targets: list[int]  # the prompt token it scores
+    top: int  # alternatives each row carries: the step's largest prompt_logprobs
+    owners: list[tuple[object, int]] = field(default_factory=list)  # rank 0: (sequence, position) of each row
+
+    @property
+    def width(self) -> int:
+        """Numbers per scored row: the target's logprob, its rank, `top` ids, `top` logprobs."""
+        return 2 + 2 * self.top
+
+    def apply(self, packed: torch.Tensor) -> None:
+        """Rank 0: append each row's result ([len(rows), width], `score_rows`) to its sequence. Only
+        the next position a sequence lacks is taken: one computed again (after a preemption, or
+        one the pipeline returns late) adds nothing."""
+        packed = packed.view(len(self.rows), self.width).cpu()
+        values, ranks = packed[:, 0].tolist(), packed[:, 1].to(torch.int64).tolist()
+        ids = packed[:, 2:2 + self.top].to(torch.int64).tolist()
+        tops = packed[:, 2 + self.top:].tolist()
+        for (seq, p), value, rank, i, v in zip(self.owners, values, ranks, ids, tops):
+            if p != len(seq.prompt_logprobs):
+                continue
+            n = seq.params.prompt_logprobs
+            seq.prompt_logprobs.append({"token_logprob": value, "top": list(zip(i[:n], v[:n])), "rank": rank})
+
+
+def plan_scores(batch: list[ScheduledSeq]) -> PromptScores | None:
+    """The prompt positions `batch` scores: of each sequence that asked for its prompt's logprobs,
+    those of its rows up to the prompt's second-to-last token, less those it has (a preempted
+    sequence computing its prompt again). None: nothing to score."""
+    plan = None
+    for s, row0 in _row_starts(batch):
+        seq = s.seq
+        if not seq.prompt_logprobs_pending:
+            continue
+        plan = plan or PromptScores([], [], 0)
+        plan.top = max(plan.top, seq.params.prompt_logprobs)
+        end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        for p in range(max(s.start, len(seq.prompt_logprobs)), end):
+            plan.rows.append(row0 + p - s.start)
+            plan.targets.append(seq.prompt_token_ids[p + 1])
+            plan.owners.append((seq, p))
+    return plan if plan is not None and plan.rows else None
+
+
+def score_rows(model: LlamaModel, hidden: torch.Tensor, scores: PromptScores) -> torch.Tensor | None:
+    """Each scored row's logprob of its target, the target's rank and the top alternatives
+    ([len(rows), width] float32; ids are exact in float32 below 2^24), where this rank gets the full
+    logits; None on the ranks that only contribute their vocabulary slice. The LM head runs on
+    PROMPT_LOGPROB_ROWS rows at a time, so a long chunk's logits ([rows, vocab]) never exist at once."""
+    out = []
+    for i in range(0, len(scores.rows), PROMPT_LOGPROB_ROWS):
+        logits = model.compute_logits(hidden[scores.rows[i:i + PROMPT_LOGPROB_ROWS]])
+        if logits is None:
+            continue
+        lp = logits.float().log_softmax(-1)
+        targets = torch.tensor(scores.targets[i:i + PROMPT_LOGPROB_ROWS], device=lp.device)
+        chosen = lp.gather(1, targets[:, None])
+        rank = (lp > chosen).sum(1, keepdim=True).add_(1).float()
+        top_v, top_i = lp.topk(scores.top, dim=1)
+        out.append(torch.cat([chosen, rank, top_i.float(), top_v], dim=1))
+    return torch.cat(out) if out else None
 
 
 class ModelRunner:
@@ -88,9 +164,14 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, sample_rows)
 
-    @torch.no_grad()
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> dict[str, tuple[int, dict | None]]:
         """Run one forward pass; returns {request_id: (token, logprobs)} for sampling sequences."""
+        return self.run(batch, plan_scores(batch), layer_hook)
+
+    @torch.no_grad()
+    def run(self, batch: list[ScheduledSeq], scores: PromptScores | None, layer_hook: LayerHook | None = None
+            ) -> dict[str, tuple[int, dict | None]]:
+        """`execute` with the step's prompt positions to score already planned (`plan_scores`)."""
         with phase(FORWARD):
             input_ids, positions, meta, sample_rows = self.prepare(batch)
             if self.graphs is not None and layer_hook is None and self.graphs.runs(len(input_ids), meta):
@@ -99,39 +180,11 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, layer_hook)
         samplers = [s for s in batch if s.samples]
         with phase(SAMPLE):
-            if any(s.seq.prompt_logprobs_pending for s in batch):
-                self.prompt_logprobs(batch, hidden)
+            if scores is not None:
+                scores.apply(score_rows(self.model, hidden, scores))
             if not samplers:
                 return {}
             return self.sample(samplers, self.model.compute_logits(hidden[sample_rows]))
-
-    def prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
-        """Append to each sequence that asked for its prompt's logprobs those this step's positions give:
-        position p's logits score prompt token p + 1 (its logprob, its rank, the top alternatives), up to the
-        prompt's last token. The LM head runs on those rows a slice at a time, so a long chunk's logits
-        ([rows, vocab] float32) never exist at once."""
-        rows: list[int] = []
-        owners: list[tuple[ScheduledSeq, int]] = []  # (scheduled sequence, position) of each row
-        for s, row0 in _row_starts(batch):
-            seq = s.seq
-            first = len(seq.prompt_logprobs)  # the positions before it were scored already
-            if not seq.prompt_logprobs_pending or s.start > first:
-                continue
-            for p in range(first, min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)):
-                rows.append(row0 + p - s.start)
-                owners.append((s, p))
-        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            part = owners[i:i + PROMPT_LOGPROB_ROWS]
-            lp = self.model.compute_logits(hidden[rows[i:i + PROMPT_LOGPROB_ROWS]]).float().log_softmax(-1).cpu()
-            targets = torch.tensor([s.seq.prompt_token_ids[p + 1] for s, p in part])
-            chosen = lp.gather(1, targets[:, None])
-            ranks = (lp > chosen).sum(1).add_(1).tolist()
-            k = max(s.seq.params.prompt_logprobs for s, _ in part)
-            top_v, top_i = lp.topk(k, dim=1) if k else (None, None)
-            for j, ((s, _), value, rank) in enumerate(zip(part, chosen[:, 0].tolist(), ranks)):
-                n = s.seq.params.prompt_logprobs
-                top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
-                s.seq.prompt_logprobs.append({"token_logprob": value, "top": top, "rank": rank})
 
     def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, tuple[int, dict | None]]:
         """The sampling sequences' next tokens from their logits rows ([len(samplers), V])."""

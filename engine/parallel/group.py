@@ -43,6 +43,7 @@ from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_
 from engine.parallel.step import stop_message
 from engine.parallel.worker import (Attached, Failed, RankMemory, Ready, Traced, WorkerSpec, init_message,
                                    profile_message)
+from engine.runner import SCORE_WIDTH
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,16 @@ def segment_layout(config: EngineConfig, model_config: ModelConfig) -> SegmentLa
     max_len = config.max_model_len or model_config.max_position_embeddings
     max_blocks = -(-max_len // config.block_size)
     rows = max(config.max_num_seqs, 1)
-    # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch
-    ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows
+    # header; per batch row a drop, a table diff and the row; the tokens; drops of sequences not in the batch;
+    # the prompt positions scored (a row and a target per token at most)
+    ctrl_ints = 5 + rows * (1 + 3 + max_blocks + 4) + config.max_num_batched_tokens + 4 * rows + \
+        2 + 2 * config.max_num_batched_tokens
     # the hand-offs' slots; none where their payloads go over gloo or NCCL (engine.parallel.pipe.DistLinks)
     in_segment = config.tp_comm_backend == "shm"
     pipe = dict(pp=pp, act_bytes=config.max_num_batched_tokens * model_config.hidden_size * 4 * in_segment,
-                ret_bytes=rows * model_config.vocab_size * 4 * in_segment,
+                # (a batch's sampled logits rows, then its scored prompt positions: engine.runner.score_rows)
+                ret_bytes=(rows * model_config.vocab_size + config.max_num_batched_tokens * SCORE_WIDTH) * 4
+                * in_segment,
                 counts_bytes=8 * len(model_config.moe_layers) * model_config.num_experts) if pp > 1 else {}
     return SegmentLayout.make(
         pp * tp,

@@ -13,7 +13,8 @@ and counts them: batch k is the k-th step message, the same k on every rank. Per
 3. each stage's leader raises DONE[s] to k once the batch's layers are computed (its KV
    written): rank 0 fires the layer hook of those layers then (`recv_logits`);
 4. the last stage gathers its logits rows over its group and its leader writes them,
-   `[n, vocab]` float32 (n may be 0: a batch of non-final prefill chunks), into the
+   `[n, vocab]` float32 (n may be 0: a batch of non-final prefill chunks), then the
+   results of the prompt positions the batch scores (engine.runner.score_rows), into the
    return slot; RET_SEQ = k; rank 0 copies them out and raises RET_ACK.
 
 Every wait is `ShmGroup.wait_flag`: bounded by tp_timeout_s, the group's abort flag and the
@@ -209,14 +210,15 @@ class StageChannel:
         self.shm.set_flag(self.layout.stage_done(self.stage), k)
 
     def send_logits(self, k: int, logits: torch.Tensor | None) -> None:
-        """The last stage's leader: batch k's logits rows ([n, vocab] float32; None: none sampled)."""
+        """The last stage's leader: what batch k returns, float32 (its sampled rows' logits, or their
+        tokens, then its scored prompt positions: engine.parallel.worker._run_stage); None: nothing."""
         lay, slot = self.layout, k % self.layout.pipe_slots
         if k > lay.pipe_slots:
             self.shm.wait_flag(lay.ret_ack, k - lay.pipe_slots, "pipeline logits return (to rank 0)")
             if self.links is not None:
                 self.links.reap(0, k - lay.pipe_slots)
         if logits is not None and self.links is not None:
-            self.links.send(k, 0, logits.float())
+            self.links.send(k, 0, logits.float().reshape(-1))
         elif logits is not None:
             nbytes = logits.numel() * 4
             if nbytes > lay.ret_bytes:
@@ -224,10 +226,10 @@ class StageChannel:
             self.shm.region(lay.ret_offset(slot), torch.float32, logits.numel()).copy_(logits.reshape(-1))
         self.shm.set_flag(lay.ret_seq, k)
 
-    def recv_logits(self, k: int, num_rows: int, vocab_size: int, on_stage_done=None) -> torch.Tensor:
-        """Rank 0: batch k's logits rows [num_rows, vocab_size] from the last stage. With
-        ``on_stage_done``, it is called with each later stage (1, 2, ...) as that stage finishes
-        batch k's layers, before the logits come."""
+    def recv_logits(self, k: int, numel: int, on_stage_done=None) -> torch.Tensor:
+        """Rank 0: the ``numel`` float32 numbers batch k returns from the last stage (`send_logits`),
+        flat. With ``on_stage_done``, it is called with each later stage (1, 2, ...) as that stage
+        finishes batch k's layers, before the return comes."""
         lay, slot = self.layout, k % self.layout.pipe_slots
         # (with links also without a hook: a stuck sender can hold its receiver in the transfer past this
         # rank's own wait, so this rank names the first stage that has not finished the batch)
@@ -239,11 +241,10 @@ class StageChannel:
         what, since = f"pipeline logits return (from rank {(lay.pp - 1) * lay.tp})", time.monotonic()
         self.shm.wait_flag(lay.ret_seq, k, what)
         if self.links is None:
-            out = self.shm.region(lay.ret_offset(slot), torch.float32, num_rows * vocab_size).clone()
-        elif num_rows:
-            out = self.links.recv(k, (lay.pp - 1) * lay.tp, (num_rows, vocab_size), torch.float32, self.shm, what,
-                                  since)
-        else:  # (none sampled: nothing was sent)
-            out = torch.empty((0, vocab_size), dtype=torch.float32, device=self.links.device)
+            out = self.shm.region(lay.ret_offset(slot), torch.float32, numel).clone()
+        elif numel:
+            out = self.links.recv(k, (lay.pp - 1) * lay.tp, (numel,), torch.float32, self.shm, what, since)
+        else:  # (nothing to return: nothing was sent)
+            out = torch.empty(0, dtype=torch.float32, device=self.links.device)
         self.shm.set_flag(lay.ret_ack, k)
-        return out.view(num_rows, vocab_size)
+        return out

@@ -19,7 +19,7 @@ from engine.parallel.comm import CollectiveError
 from engine.parallel.group import TPGroup
 from engine.parallel.step import StepEncoder, is_plain_greedy
 from engine.profiling import FORWARD, SAMPLE, phase
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PromptScores, plan_scores
 from engine.scheduler import ScheduledSeq
 
 
@@ -35,8 +35,9 @@ class TPRunner(ModelRunner):
         self.group.check()
         self.group.finish_peer_writes()  # CUDA: KV received into other ranks' caches is complete before they read it
         try:
-            self.group.send_step(self.encoder.encode(batch))
-            return super().execute(batch, layer_hook)
+            scores = plan_scores(batch)
+            self.group.send_step(self.encoder.encode(batch, scores))
+            return self.run(batch, scores, layer_hook)
         except BaseException as e:
             self._fail(e)
 
@@ -57,6 +58,7 @@ class InFlight:
     samplers: list[ScheduledSeq]
     layer_hook: LayerHook | None
     argmax: bool = False  # every sampler plain greedy: the last stage returns tokens (engine.parallel.step)
+    scores: PromptScores | None = None  # the prompt positions the last stage scores
 
 
 class PPRunner(TPRunner):
@@ -76,7 +78,8 @@ class PPRunner(TPRunner):
         """Start `batch` down the pipeline; its results come from `collect`, batches in launch order."""
         self.group.check()
         try:
-            self.group.send_step(self.encoder.encode(batch))
+            scores = plan_scores(batch)
+            self.group.send_step(self.encoder.encode(batch, scores))
             self.num_batches += 1
             with phase(FORWARD):
                 input_ids, positions, meta, _ = self.prepare(batch)
@@ -85,7 +88,7 @@ class PPRunner(TPRunner):
         except BaseException as e:
             self._fail(e)
         samplers = [s for s in batch if s.samples]
-        return InFlight(self.num_batches, samplers, layer_hook, all(is_plain_greedy(s.seq) for s in samplers))
+        return InFlight(self.num_batches, samplers, layer_hook, all(is_plain_greedy(s.seq) for s in samplers), scores)
 
     def collect(self, batch: InFlight) -> dict[str, tuple[int, dict | None]]:
         """Wait for `batch` to leave the last stage; {request_id: (token, logprobs)} of its samplers."""
@@ -94,9 +97,14 @@ class PPRunner(TPRunner):
         try:
             with phase(FORWARD):
                 width = 1 if batch.argmax else self.model.cfg.vocab_size  # tokens, or logits rows
-                logits = self.pipe.recv_logits(batch.index, len(batch.samplers), width, on_stage_done)
+                n = len(batch.samplers) * width
+                scored = 0 if batch.scores is None else len(batch.scores.rows) * batch.scores.width
+                back = self.pipe.recv_logits(batch.index, n + scored, on_stage_done)
         except BaseException as e:
             self._fail(e)
+        logits = back[:n].view(len(batch.samplers), width)
+        if scored:
+            batch.scores.apply(back[n:])
         if not batch.samplers:
             return {}
         if batch.argmax:  # the last stage took the argmax (engine.parallel.worker._run_stage)

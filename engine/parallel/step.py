@@ -10,7 +10,9 @@ block ids. A step message is one flat int64 array:
      (slot, start, n, samples)...,       the batch, in the scheduler's order; samples 0 (no), 1, or
                                          ARGMAX: a plain greedy row (no penalties, bias, logprobs or
                                          grammar), whose token is its logits' argmax wherever computed
-     tokens...]                          each row's n tokens, concatenated
+     tokens...,                          each row's n tokens, concatenated
+     n_scored, top,                      the prompt positions the step scores (engine.runner.PromptScores):
+     rows..., targets...]                their rows in the step's hidden states, the tokens they score
 
 A preempted sequence is dropped (its blocks were freed) and comes back as a new one.
 `StepEncoder` (rank 0) builds messages; `StepDecoder` (the others) applies
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.runner import PromptScores
 from engine.scheduler import ScheduledSeq
 
 STEP, STOP = 1, 2
@@ -41,7 +44,7 @@ class StepEncoder:
         self._mirror: dict[int, tuple[object, list[int]]] = {}  # slot -> (sequence, block ids the ranks hold)
         self._free: list[int] = []
 
-    def encode(self, batch: list[ScheduledSeq]) -> bytes:
+    def encode(self, batch: list[ScheduledSeq], scores: PromptScores | None = None) -> bytes:
         drops: list[int] = []
         for rid, slot in list(self._slot_of.items()):
             seq = self._mirror[slot][0]
@@ -75,7 +78,8 @@ class StepEncoder:
                 held[:] = blocks
             rows += (slot, s.start, s.num_new_tokens, (ARGMAX if is_plain_greedy(seq) else 1) if s.samples else 0)
             tokens += seq.tokens_slice(s.start, s.start + s.num_new_tokens)
-        msg = [STEP, len(drops), len(sets), len(batch), len(tokens), *drops, *sets, *rows, *tokens]
+        scored = [len(scores.rows), scores.top, *scores.rows, *scores.targets] if scores is not None else [0, 0]
+        msg = [STEP, len(drops), len(sets), len(batch), len(tokens), *drops, *sets, *rows, *tokens, *scored]
         return np.asarray(msg, dtype=np.int64).tobytes()
 
 
@@ -112,8 +116,8 @@ class StepDecoder:
     def __init__(self):
         self.blocks: dict[int, list[int]] = {}  # slot -> block ids
 
-    def decode(self, payload) -> list[MirrorRow] | None:
-        """The step's rows in batch order, or None for STOP."""
+    def decode(self, payload) -> tuple[list[MirrorRow], PromptScores | None] | None:
+        """The step's rows in batch order and the prompt positions it scores, or None for STOP."""
         m = np.frombuffer(payload, dtype=np.int64).tolist()
         kind, n_drop, n_set, n_rows, n_tokens = m[:_HEADER]
         if kind == STOP:
@@ -135,4 +139,6 @@ class StepDecoder:
             slot, start, n, samples = m[i + 4 * r:i + 4 * r + 4]
             rows.append(MirrorRow(_MirrorSeq(self.blocks[slot], start, m[tok:tok + n]), start, n, samples))
             tok += n
-        return rows
+        n_scored, top = m[tok:tok + 2]
+        scores = PromptScores(m[tok + 2:tok + 2 + n_scored], m[tok + 2 + n_scored:tok + 2 + 2 * n_scored], top)
+        return rows, scores if n_scored else None

@@ -140,9 +140,13 @@ def memory_report(model) -> RankMemory:
     return RankMemory(weight_bytes, status.get("RssAnon", 0), status.get("VmHWM", 0))
 
 
-def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sample_rows, argmax: bool) -> None:
+def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sample_rows, argmax: bool,
+               scores) -> None:
     """Batch k on this rank's pipeline stage (engine.parallel.pipe). With `argmax` (every sampled
-    row plain greedy), the last stage returns the rows' tokens instead of their logits."""
+    row plain greedy), the last stage returns the rows' tokens instead of their logits; after
+    them, the results of the prompt positions it scores (``scores``, engine.runner.PromptScores)."""
+    from engine.runner import score_rows
+
     inputs = None
     if not pipe.is_first:
         inputs = pipe.recv_hidden(k, input_ids.shape[0], model.cfg.hidden_size, model.dtype)
@@ -154,11 +158,13 @@ def _run_stage(pipe, model, k: int, input_ids, positions, meta, kv_caches, sampl
         return
     if pipe.is_leader:
         pipe.mark_done(k)
+    scored = score_rows(model, hidden, scores) if scores is not None else None  # (as rank 0's runner, first)
     logits = model.compute_logits(hidden[sample_rows]) if sample_rows else None  # gathered to the leader
     if pipe.is_leader:
         if argmax and logits is not None:  # int32 ids in the float32 slot, bit for bit (runner.PPRunner.collect)
             logits = logits.argmax(dim=-1).to(torch.int32).view(torch.float32)
-        pipe.send_logits(k, logits)
+        parts = [x.float().reshape(-1) for x in (logits, scored) if x is not None]
+        pipe.send_logits(k, torch.cat(parts) if parts else None)
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -177,7 +183,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         from engine.parallel.sharding import ShardLayout, load_shard
         from engine.parallel.shm import ShmGroup
         from engine.parallel.step import STOP, StepDecoder
-        from engine.runner import ModelRunner
+        from engine.runner import ModelRunner, score_rows
         from engine.weights import read_config
 
         torch.set_num_threads(spec.num_threads)
@@ -252,18 +258,22 @@ def worker_main(spec: WorkerSpec, conn) -> None:
                 if np.frombuffer(payload[:8], dtype=np.int64)[0] == PROFILE:
                     window = _profile(payload, window, spec.rank, conn)
                     continue
-                rows = decoder.decode(payload)
-                if rows is None:
+                step = decoder.decode(payload)
+                if step is None:
                     break
+                rows, scores = step
                 num_batches += 1
                 input_ids, positions, meta, sample_rows = runner.prepare(rows)
-                if pipe is None:
+                if pipe is None:  # this rank's vocabulary slice of each LM-head call, to rank 0
                     hidden = model.forward(input_ids, positions, meta, kv_caches)
+                    if scores is not None:
+                        score_rows(model, hidden, scores)
                     if sample_rows:
-                        model.compute_logits(hidden[sample_rows])  # this rank's vocabulary slice, to rank 0
+                        model.compute_logits(hidden[sample_rows])
                     continue
                 argmax = all(r.argmax for r in rows if r.samples)
-                _run_stage(pipe, model, num_batches, input_ids, positions, meta, kv_caches, sample_rows, argmax)
+                _run_stage(pipe, model, num_batches, input_ids, positions, meta, kv_caches, sample_rows, argmax,
+                           scores)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which decides
         if shm is not None:
             shm.abort()

@@ -2,7 +2,8 @@
 prefill pipeline rank holds only its layers' KV, and the hand-off moves every (layer, KV-head
 range) from the rank that holds it to each decode rank that holds it, paired by global layer
 id (`kvtransfer.reshard`). 16 concurrent requests are token for token what engine.LLM at PP=1,
-TP=1 gives, every pool is free afterwards, and nothing (placement group, rank process,
+TP=1 gives, so are the prompt's logprobs (the last stage scores them), every pool is free
+afterwards, and nothing (placement group, rank process,
 segment) is left when it stops. A pipeline rank killed mid-prefill ends its requests within
 the bound."""
 from __future__ import annotations
@@ -19,7 +20,8 @@ from cluster.bench.chaos import HEALTH
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from tests.e2e.conftest import SLICE, running_cluster
-from tests.e2e.tp_cluster import placement_groups, rank_pids, segments, wait_gone
+from tests.e2e.tp_cluster import (check_scored, placement_groups, rank_pids, scored_reference, segments,
+                                  wait_gone)
 from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
 
 MAX_TOKENS = 12
@@ -48,6 +50,11 @@ def reference(model, prompts):
     return [o.token_ids for o in outs]
 
 
+@pytest.fixture(scope="module")
+def scored(model, prompts):
+    return scored_reference(model, prompts)
+
+
 def _spec(model, prefill: dict, decode_tp: int, backend: str) -> dict:
     stage = {"replicas": 1, "resources": SLICE, "num_kv_blocks": 64, "tp_timeout_s": 10.0}
     return {"model": str(model), "mode": "disaggregated", "health": HEALTH,
@@ -63,7 +70,7 @@ def _spec(model, prefill: dict, decode_tp: int, backend: str) -> dict:
     ({"pipeline_parallel_size": 2}, 1, "nccl"),
     ({"pipeline_parallel_size": 2, "tp_backend": "gloo"}, 1, "grpc"),  # the stages' hand-offs over gloo
 ], ids=["pp2-tp1-grpc", "pp2split13-tp2-grpc", "pp2xtp2-tp2-grpc", "pp2-tp1-nccl", "pp2gloo-tp1-grpc"])
-def test_a_pipeline_parallel_prefill_hands_off_token_exact(ray_instance, model, prompts, reference,
+def test_a_pipeline_parallel_prefill_hands_off_token_exact(ray_instance, model, prompts, reference, scored,
                                                            prefill, decode_tp, backend):
     groups_before = len(placement_groups())
     ranks = prefill["pipeline_parallel_size"] * prefill.get("tensor_parallel_size", 1)
@@ -78,6 +85,7 @@ def test_a_pipeline_parallel_prefill_hands_off_token_exact(ray_instance, model, 
             got = list(pool.map(generate, prompts))
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"request {i} at prefill {prefill} -> decode TP={decode_tp} ({backend})"
+        check_scored(rc.client, prompts, scored)  # the last stage scores the prompt
         assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}
         status = {r.replica_id: r for r in rc.client.status().replicas}
         assert (status["prefill-0"].tensor_parallel_size, status["prefill-0"].pipeline_parallel_size) == \

@@ -15,7 +15,7 @@ from cluster.bench.chaos import HEALTH
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from tests.e2e.conftest import SLICE, running_cluster
-from tests.e2e.tp_cluster import placement_groups, rank_pids, segments, wait_gone
+from tests.e2e.tp_cluster import check_scored, placement_groups, rank_pids, scored_reference, segments, wait_gone
 from tests.engine.factories import random_prompts, save_tiny_model_with_tokenizer
 
 MAX_TOKENS = 12
@@ -43,6 +43,11 @@ def reference(model, prompts):
     return [o.token_ids for o in outs]
 
 
+@pytest.fixture(scope="module")
+def scored(model, prompts):
+    return scored_reference(model, prompts)
+
+
 def _spec(model, prefill_tp: int, decode_tp: int, backend: str) -> dict:
     stage = {"replicas": 1, "resources": SLICE, "num_kv_blocks": 64, "tp_timeout_s": 10.0}
     return {"model": str(model), "mode": "disaggregated", "health": HEALTH,
@@ -56,7 +61,7 @@ def _spec(model, prefill_tp: int, decode_tp: int, backend: str) -> dict:
 @pytest.mark.parametrize("prefill_tp, decode_tp, backend", [
     (1, 2, "grpc"), (2, 1, "grpc"), (3, 1, "grpc"),
     (2, 2, "nccl"), (3, 1, "nccl"), (1, 3, "nccl")])
-def test_prefill_and_decode_at_different_tp_equal_engine_tp1(ray_instance, model, prompts, reference,
+def test_prefill_and_decode_at_different_tp_equal_engine_tp1(ray_instance, model, prompts, reference, scored,
                                                              prefill_tp, decode_tp, backend):
     groups_before = len(placement_groups())
     with running_cluster(_spec(model, prefill_tp, decode_tp, backend)) as rc:
@@ -70,6 +75,7 @@ def test_prefill_and_decode_at_different_tp_equal_engine_tp1(ray_instance, model
             got = list(pool.map(generate, prompts))
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"request {i} at prefill TP={prefill_tp} -> decode TP={decode_tp} ({backend})"
+        check_scored(rc.client, prompts, scored)  # the prefill ranks' LM-head slices, gathered to rank 0
         assert rc.wait_pools_free() == {rid: True for rid in rc.cluster.actors}
         status = {r.replica_id: r for r in rc.client.status().replicas}
         assert (status["prefill-0"].tensor_parallel_size, status["decode-0"].tensor_parallel_size) == \

@@ -1,6 +1,7 @@
 """What the tensor-parallel e2e tests share: a tiny random checkpoint with a real tokenizer,
 its engine.LLM TP=1 reference, a cluster of two colocated TP=2 replicas on the session's Ray
-(its leak check at the end: placement groups, rank processes, segments), and small probes."""
+(its leak check at the end: placement groups, rank processes, segments), small probes, and
+the check of a parallel replica's prompt logprobs against one rank's."""
 from __future__ import annotations
 
 import os
@@ -112,3 +113,21 @@ def record_ranks(rc, rid: str) -> list[int]:
     pids = rank_pids(rc, rid)
     rc.seen_pids.extend(pids)
     return pids
+
+
+def scored_reference(model, prompts) -> list[list[dict | None]]:
+    """engine.LLM's prompt logprobs (top 2) of prompts[2:4], at PP=1, TP=1 (`check_scored`)."""
+    llm = LLM(str(model), dtype="float32", num_kv_blocks=128)
+    return [o.prompt_logprobs for o in llm.generate(prompts[2:4], SamplingParams(max_tokens=1, prompt_logprobs=2))]
+
+
+def check_scored(client, prompts, scored) -> None:
+    """What lm-evaluation-harness reads, over gRPC: each prompt token's logprob, rank and top 2, as
+    one rank computes them (`scored_reference`)."""
+    for prompt, want in zip(prompts[2:4], scored):
+        got = client.generate(token_ids=prompt, max_tokens=1, temperature=0, prompt_logprobs=2).prompt_logprobs
+        assert [lp.token_id for lp in got] == prompt[1:]
+        assert [lp.rank for lp in got] == [w["rank"] for w in want[1:]]
+        for lp, w in zip(got, want[1:]):
+            assert lp.logprob == pytest.approx(w["token_logprob"], abs=1e-4)
+            assert [t for t, _ in lp.top] == [t for t, _ in w["top"]]

@@ -141,16 +141,19 @@ def test_prompt_logprobs_bench_times_each_setting(folder, tmp_path, monkeypatch)
     write = benchmarks_md.write_section
     monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
     assert prompt_logprobs_bench.main(["--model", str(folder), "--prompt-lens", "9,40", "--top", "0,3",
-                                       "--rounds", "2", "--write"]) == 0
+                                       "--rounds", "2", "--layouts", "1x1,2x1", "--write"]) == 0
     text = md.read_text()
     assert text.count(prompt_logprobs_bench.SECTION) == 1
-    for length in (9, 40):
-        for name in ("without", "prompt_logprobs=0", "prompt_logprobs=3"):
-            row = re.search(rf"^\| {length} \| {re.escape(name)} \| ([\d.]+) \| ([\d.]+), ([\d.]+) \| "
-                            rf"\*\*([\d.]+)x\*\* \|$", text, re.M)
-            assert row and all(float(g) > 0 for g in row.groups()), (length, name, text)
-            if name == "without":
-                assert row.groups()[1:] == ("1.00", "1.00", "1.00")
+    for layout in ("1 x 1", "2 x 1"):  # one rank, and two tensor-parallel ranks
+        for length in (9, 40):
+            for name in ("without", "prompt_logprobs=0", "prompt_logprobs=3"):
+                row = re.search(rf"^\| {layout} \| {length} \| {re.escape(name)} \| ([\d.]+) \| ([\d.]+), "
+                                rf"([\d.]+) \| \*\*([\d.]+)x\*\* \|$", text, re.M)
+                assert row and all(float(g) > 0 for g in row.groups()), (layout, length, name, text)
+                if name == "without":
+                    assert row.groups()[1:] == ("1.00", "1.00", "1.00")
+    with pytest.raises(SystemExit, match="--layouts 2,1x0: each must be TPxPP"):
+        prompt_logprobs_bench.main(["--model", str(folder), "--layouts", "2,1x0"])
     with pytest.raises(SystemExit, match="--top 0,21: each must be 0 to 20"):
         prompt_logprobs_bench.main(["--model", str(folder), "--top", "0,21"])
     with pytest.raises(SystemExit, match="--prompt-lens 1: each prompt needs at least 2 tokens"):

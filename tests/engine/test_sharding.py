@@ -7,7 +7,7 @@ import torch
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.parallel.sharding import ShardLayout, check_tensor_parallel, load_shard, pipeline_layers, weight_shards
 from engine.parallel.step import StepDecoder, StepEncoder
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, plan_scores
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
@@ -94,8 +94,8 @@ def test_each_rank_reads_exactly_its_slice_and_the_slices_make_the_checkpoint(tm
         assert not joined.narrow(spec.dim, t.shape[spec.dim], joined.shape[spec.dim] - t.shape[spec.dim]).any()
 
 
-def _seq(rid: str, prompt: list[int], blocks: list[int]) -> Sequence:
-    s = Sequence(rid, prompt, SamplingParams(max_tokens=8))
+def _seq(rid: str, prompt: list[int], blocks: list[int], prompt_logprobs: int | None = None) -> Sequence:
+    s = Sequence(rid, prompt, SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs))
     s.block_ids = list(blocks)
     return s
 
@@ -123,15 +123,23 @@ def test_the_step_message_rebuilds_the_same_batch_through_appends_preemption_and
     enc, dec = StepEncoder(), StepDecoder()
 
     def check(batch):
-        payload = enc.encode(batch)
-        assert _same(_prepared(runner, batch), _prepared(runner, dec.decode(payload)))
+        scores = plan_scores(batch)
+        payload = enc.encode(batch, scores)
+        rows, got = dec.decode(payload)
+        assert _same(_prepared(runner, batch), _prepared(runner, rows))
+        # the prompt positions rank 0 scores: the same rows and targets on every rank
+        assert (got.rows, got.targets, got.top) == (scores.rows, scores.targets, scores.top) if scores else got is None
         return len(payload)
 
-    a = _seq("a", list(range(3, 12)), [7, 2, 9])  # 9 prompt tokens
+    a = _seq("a", list(range(3, 12)), [7, 2, 9], prompt_logprobs=2)  # 9 prompt tokens, scored
     b = _seq("b", [5, 6], [4])
     check([ScheduledSeq(a, 6, 0), ScheduledSeq(b, 2, 0)])  # a chunked, b whole
+    assert plan_scores([ScheduledSeq(a, 6, 0)]).targets == a.prompt_token_ids[1:7]
     b.output_token_ids += [40]
     check([ScheduledSeq(b, 1, 2), ScheduledSeq(a, 3, 6)])  # decodes first, then prefill chunks
+    # a's last chunk scores positions 6 and 7 (token 8 is scored by none: it is the prompt's last),
+    # on rows 1 and 2, after b's decode row
+    assert plan_scores([ScheduledSeq(b, 1, 2), ScheduledSeq(a, 3, 6)]).rows == [1, 2]
     a.output_token_ids += [50]
     b.output_token_ids += [41]
     a.block_ids.append(11)  # a grows a block: the message carries only the new id
