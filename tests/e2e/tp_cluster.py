@@ -127,7 +127,9 @@ def check_scored(client, prompts, scored) -> None:
     for prompt, want in zip(prompts[2:4], scored):
         got = client.generate(token_ids=prompt, max_tokens=1, temperature=0, prompt_logprobs=2).prompt_logprobs
         assert [lp.token_id for lp in got] == prompt[1:]
-        assert [lp.rank for lp in got] == [w["rank"] for w in want[1:]]
         for lp, w in zip(got, want[1:]):
             assert lp.logprob == pytest.approx(w["token_logprob"], abs=1e-4)
+            # (a random model's 49152 logits lie close together: the all-reduce's rounding may move a
+            # token a few places among thousands)
+            assert abs(lp.rank - w["rank"]) <= 1 + w["rank"] // 200, (lp.rank, w["rank"])
             assert [t for t, _ in lp.top] == [t for t, _ in w["top"]]
