@@ -394,6 +394,7 @@ async def _collect_choices(choices: list[oai.Choice], outs: list, deltas) -> web
             return failed(raised(choices[i].request, delta))
         if delta.finish_reason is FinishReason.ERROR:
             return failed(errors.request_failed(delta.error))
+        delta = choices[i].visible(delta)
         parts[i].append(delta.text)
         lps[i].extend(delta.logprobs or ())
         num_tokens[i] += len(delta.token_ids)
@@ -425,6 +426,7 @@ async def _stream_choices(request: web.Request, choices: list[oai.Choice], outs:
             if delta.finish_reason is FinishReason.ERROR:
                 await send(failure_body(errors.request_failed(delta.error)))
                 break
+            delta = choices[i].visible(delta)
             num_tokens[i] += len(delta.token_ids)
             text = (choices[i].echo_text if is_first[i] else "") + delta.text
             if text or delta.logprobs or delta.finish_reason is not None or is_first[i]:

@@ -24,8 +24,8 @@ from cluster.backend import Backend, Tokenizer
 from cluster.errors import quote
 from cluster.serving import encode_chat, encode_text
 from cluster.structured import guided_spec
-from cluster.types import GenerateRequest, InvalidRequestError
-from cluster.validation import check_model, validate_request
+from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
+from cluster.validation import check_model, truncate_prompt, validate_request
 from engine.sampling import MAX_CHOICES, choice_seed
 
 
@@ -149,6 +149,19 @@ class Choice:
     request: GenerateRequest
     prompt_index: int = 0  # the choices of one prompt share it (usage counts each prompt once)
     echo_text: str = ""
+    # echo with max_tokens 0 (OpenAI's legacy way to score a prompt): the one token the request computes to
+    # get there is not shown (`visible`)
+    echo_only: bool = False
+
+    def visible(self, delta: GenerateDelta) -> GenerateDelta:
+        """What of ``delta`` the response shows: all of it, or (`echo_only`) none of its tokens, and
+        "length" as the finish reason: no token was asked for."""
+        if not self.echo_only:
+            return delta
+        reason = delta.finish_reason
+        if reason not in (None, FinishReason.ERROR):
+            reason = FinishReason.LENGTH
+        return dataclasses.replace(delta, text="", token_ids=[], logprobs=None, finish_reason=reason, stop_reason=None)
 
 
 def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: str,
@@ -180,7 +193,7 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
             if n > 1:  # choice j > 0 runs beside choice 0 and shares its prompt's blocks there
                 req_j = dataclasses.replace(req, request_id=f"{rid}-{j}", sampling=sampling,
                                             fork_of=f"{rid}-0" if j else None)
-            choices.append(Choice(i * n + j, req_j if n > 1 else req, i, echo_text))
+            choices.append(Choice(i * n + j, req_j if n > 1 else req, i, echo_text, echo and body.max_tokens == 0))
     return choices
 
 
@@ -239,9 +252,11 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
     else:
         token_ids = _prompt_token_ids(backend.tokenizer, body.prompt if prompt is None else prompt)
         max_tokens_field, max_tokens = "max_tokens", body.max_tokens
+        if body.echo and max_tokens == 0:  # the prompt alone (with its logprobs): one token computed, none shown
+            max_tokens = 1
         logprobs, logprobs_field = body.logprobs, "logprobs"
     prompt_logprobs = body.prompt_logprobs
-    token_ids = _truncated(token_ids, body.truncate_prompt_tokens, backend.max_model_len)
+    token_ids = truncate_prompt(token_ids, body.truncate_prompt_tokens, backend.max_model_len)
     if echo_logprobs(body) and 0 <= body.logprobs:  # (a bad logprobs is refused by its own name below)
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     try:
@@ -268,19 +283,6 @@ def echo_logprobs(body: CompletionBody | ChatBody) -> bool:
     """A completion that echoes its prompt with logprobs lists the prompt's tokens' logprobs first (as
     lm-evaluation-harness scores a continuation: ``echo``, ``logprobs`` 1, ``max_tokens`` 1)."""
     return isinstance(body, CompletionBody) and bool(body.echo) and body.logprobs is not None
-
-
-def _truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as leave a token to
-    generate in the context); None: the prompt as it is."""
-    if keep is None:
-        return token_ids
-    if keep == -1:
-        keep = max_model_len - 1
-    if keep < 1:
-        raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1 for the context's length, "
-                                                            f"got {quote(keep)}")
-    return token_ids[-keep:]
 
 
 def _prompt_token_ids(tokenizer: Tokenizer, prompt: Any) -> list[int]:

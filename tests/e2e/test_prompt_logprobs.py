@@ -144,3 +144,38 @@ def test_chat_prompt_logprobs_and_bad_values(cluster):
     status, r = post(cluster.http_port, "completions", {"prompt": "Hi", "echo": True, "logprobs": 50})
     assert status == 400 and r["error"]["param"] == "logprobs", r
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(cluster, reference, stream):
+    """OpenAI's legacy way to score a prompt (older lm-evaluation-harness and HELM clients): ``echo``,
+    ``logprobs`` and ``max_tokens`` 0 give the prompt, its tokens' logprobs, no completion token and
+    finish reason "length"; without echo, max_tokens 0 is refused by name."""
+    ctxlen, prompts, refs, text_of = reference
+    body = {"prompt": prompts[1], "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    if not stream:
+        status, r = post(cluster.http_port, "completions", body)
+        assert status == 200, r
+        choice, usage = r["choices"][0], r["usage"]
+    else:
+        request = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/v1/completions",
+                                         headers={"Content-Type": "application/json"}, data=json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            events = [json.loads(line[6:]) for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        lps = {k: [v for c in chunks if c["logprobs"] for v in c["logprobs"][k]]
+               for k in ("tokens", "token_logprobs", "top_logprobs")}
+        choice = {"text": "".join(c["text"] for c in chunks), "logprobs": lps,
+                  "finish_reason": chunks[-1]["finish_reason"]}
+        usage = events[-1]["usage"]
+    assert choice["text"] == CONTEXT + CONTINUATIONS[1]  # the prompt (token ids, decoded), nothing after
+    assert choice["finish_reason"] == "length"
+    lps = choice["logprobs"]
+    assert lps["tokens"] == [text_of(t) for t in prompts[1]]  # the prompt's, and nothing after
+    assert lps["token_logprobs"][0] is None
+    assert lps["token_logprobs"][1:] == pytest.approx([lp["token_logprob"] for lp in refs[1][1:]], abs=1e-3)
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(prompts[1])
+    status, r = post(cluster.http_port, "completions", {"prompt": "Hi", "max_tokens": 0})
+    assert status == 400 and r["error"]["param"] == "max_tokens", r
+    assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
