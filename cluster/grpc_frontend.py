@@ -36,7 +36,7 @@ from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
 from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            RequestTimeline, TokenLogprob)
-from cluster.validation import check_model, check_request_id, validate_request
+from cluster.validation import check_model, check_request_id, truncate_prompt, validate_request
 from engine.guided import GuidedError, GuidedSpec
 from protos.kvrelay.v1 import serving_pb2 as pb
 from protos.kvrelay.v1 import serving_pb2_grpc as pb_grpc
@@ -157,6 +157,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             raise InvalidRequestError("prompt", "give one of text, chat or token_ids")
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+        token_ids = truncate_prompt(token_ids, opt("truncate_prompt_tokens"), b.max_model_len)
         sampling = validate_request(
             token_ids, max_model_len=b.max_model_len, vocab_size=b.vocab_size,
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),

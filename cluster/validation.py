@@ -28,6 +28,19 @@ def check_model(requested: str, served: str) -> None:
         raise InvalidRequestError("model", f"unknown model {quote(requested)}; this server serves {served!r}")
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as leave a token to
+    generate in the context); None: the prompt as it is."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    if keep < 1:
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1 for the context's length, "
+                                                            f"got {quote(keep)}")
+    return token_ids[-keep:]
+
+
 def _check_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:

@@ -1,5 +1,5 @@
 """vLLM's request extras on both frontends: min_tokens, include_stop_str_in_output,
-skip_special_tokens, allowed_token_ids (and, over HTTP, truncate_prompt_tokens) reach the backend
+skip_special_tokens, allowed_token_ids and truncate_prompt_tokens reach the backend
 as the client set them, and a bad one is refused by name before the backend sees it."""
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def test_the_extras_reach_the_backend(http, rpc):
     with KVRelayClient(rpc.target) as client:
         client.generate("hello world", max_tokens=3, **EXTRAS)
         assert _extras(rpc.backend.requests[-1].sampling) == want
+        client.generate("hello world the cat", max_tokens=3, truncate_prompt_tokens=2)
+        assert rpc.backend.requests[-1].prompt_token_ids == [8, 9]
+        client.generate(token_ids=[5, 6, 7], max_tokens=3, truncate_prompt_tokens=-1)  # (fits the context whole)
+        assert rpc.backend.requests[-1].prompt_token_ids == [5, 6, 7]
         client.generate("hello world", max_tokens=3)
     assert _extras(rpc.backend.requests[-1].sampling) == {"min_tokens": 0, "include_stop_str_in_output": False,
                                                           "skip_special_tokens": True, "allowed_token_ids": None}
@@ -74,7 +78,8 @@ def test_bad_extras_are_refused_by_name(http, extra, param, message):
 def test_grpc_refuses_bad_extras_by_name(rpc):
     with KVRelayClient(rpc.target) as client:
         for kw, message in ((dict(min_tokens=9), "min_tokens: must be in [0, max_tokens=5], got 9"),
-                            (dict(allowed_token_ids=[99]), "allowed_token_ids: token id 99 is outside")):
+                            (dict(allowed_token_ids=[99]), "allowed_token_ids: token id 99 is outside"),
+                            (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens: must be >= 1, or -1")):
             with pytest.raises(KVRelayError) as e:
                 client.generate("hello", max_tokens=5, **kw)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith(message)

@@ -188,4 +188,6 @@ def test_vllm_sampling_extras(client, model, cluster):
     assert out.text.startswith(plain.text + ",") and out.text.endswith(",")
     out = cluster.client.generate("Colors:", max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=allowed)
     assert set(out.token_ids) <= set(allowed)
+    out = cluster.client.generate(count, max_tokens=1, temperature=0, truncate_prompt_tokens=4)
+    assert out.usage.prompt_tokens == 4
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}
