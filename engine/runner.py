@@ -70,6 +70,8 @@ def plan_scores(batch: list[ScheduledSeq]) -> PromptScores | None:
     """The prompt positions `batch` scores: of each sequence that asked for its prompt's logprobs,
     those of its rows up to the prompt's second-to-last token, less those it has (a preempted
     sequence computing its prompt again). None: nothing to score."""
+    if not any(s.seq.prompt_logprobs_pending for s in batch):  # (every step asks: the common answer first)
+        return None
     plan = None
     for s, row0 in _row_starts(batch):
         seq = s.seq

@@ -31,7 +31,7 @@ class TokenLogprob:
     @classmethod
     def from_sampler(cls, token_id: int, info: dict) -> TokenLogprob:
         """From the sampler's ``{"token_logprob": float, "top": [(id, logprob), ...]}`` (and a prompt
-        token's ``"rank"``, `engine.runner.ModelRunner.prompt_logprobs`)."""
+        token's ``"rank"``, `engine.runner.score_rows`)."""
         return cls(token_id, info["token_logprob"], tuple((int(a), float(b)) for a, b in info["top"]),
                    info.get("rank"))
 
