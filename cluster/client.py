@@ -94,14 +94,14 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logit_bias: dict[int, float] | None = None, timeline: bool = False,
                   guided: dict | None = None, prompt_logprobs: int | None = None, min_tokens: int | None = None,
                   include_stop_str_in_output: bool = False, skip_special_tokens: bool | None = None,
-                  allowed_token_ids: Sequence[int] = (), truncate_prompt_tokens: int | None = None
-                  ) -> pb.GenerateRequest:
+                  allowed_token_ids: Sequence[int] = (), truncate_prompt_tokens: int | None = None,
+                  bad_words: Sequence[str] = ()) -> pb.GenerateRequest:
     """Exactly one of ``prompt``, ``messages``, ``token_ids``; unset sampling fields take server defaults.
     ``timeline``: ask for the request's `RequestTimeline` on the last chunk. ``prompt_logprobs``: the
     prompt's tokens' logprobs and ranks (with that many alternatives), on the first chunk. ``min_tokens``,
-    ``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``: as vLLM's (`engine.sampling.
-    SamplingParams`); ``truncate_prompt_tokens``: keep the prompt's last that many tokens (-1: as many as fit
-    the context with one to generate), as vLLM's. ``guided``: structured
+    ``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``: as
+    vLLM's (`engine.sampling.SamplingParams`); ``truncate_prompt_tokens``: keep the prompt's last that many
+    tokens (-1: as many as fit the context with one to generate), as vLLM's. ``guided``: structured
     output, one of ``{"json_schema": {...}}``, ``{"json_object": True}``, ``{"regex": "..."}``,
     ``{"choice": ["a", "b"]}``, ``{"grammar": "root ::= ..."}``."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
@@ -114,6 +114,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                 "skip_special_tokens": skip_special_tokens, "truncate_prompt_tokens": truncate_prompt_tokens}
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                  logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids),
+                                 bad_words=list(bad_words),
                                  include_stop_str_in_output=include_stop_str_in_output,
                                  **{k: v for k, v in optional.items() if v is not None})
     req = pb.GenerateRequest(model=model, request_id=request_id, sampling=sampling, timeline=timeline)

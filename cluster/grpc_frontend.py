@@ -32,7 +32,7 @@ from cluster import errors, reflection
 from cluster.backend import Backend
 from cluster.health import GrpcHealth
 from cluster.metrics import ServingMetrics
-from cluster.serving import ApiKeys, encode_chat, encode_text, run_request
+from cluster.serving import ApiKeys, encode_bad_words, encode_chat, encode_text, run_request
 from cluster.configs import FrontendConfig
 from cluster.types import (ClusterStatus, FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError,
                            RequestTimeline, TokenLogprob)
@@ -170,6 +170,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             min_tokens=opt("min_tokens"), include_stop_str_in_output=s.include_stop_str_in_output,
             skip_special_tokens=opt("skip_special_tokens") is not False,
             allowed_token_ids=list(s.allowed_token_ids) or None,
+            bad_words_token_ids=encode_bad_words(b.tokenizer, list(s.bad_words) or None),
         )
         return GenerateRequest(request.request_id or uuid.uuid4().hex, token_ids, sampling,
                                timeline=request.timeline)

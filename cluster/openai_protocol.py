@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from cluster import tools as tool_calls
 from cluster.backend import Backend, Tokenizer
 from cluster.errors import quote
-from cluster.serving import encode_chat, encode_text
+from cluster.serving import encode_bad_words, encode_chat, encode_text
 from cluster.structured import guided_spec
 from cluster.types import FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError
 from cluster.validation import check_model, truncate_prompt, validate_request
@@ -65,6 +65,7 @@ class _GenerateBody(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: Any = None  # a list of words (checked by cluster.serving.encode_bad_words)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens (-1: as many as fit)
     user: str | None = None  # the end user's id, for the operator's logs: no effect on the output
     # structured output (cluster.structured): OpenAI's, and vLLM's extras
@@ -270,6 +271,7 @@ def to_generate_request(body: CompletionBody | ChatBody, backend: Backend, reque
             logit_bias=_logit_bias(body.logit_bias), guided=guided, guided_field=guided_field,
             min_tokens=body.min_tokens, include_stop_str_in_output=bool(body.include_stop_str_in_output),
             skip_special_tokens=body.skip_special_tokens is not False, allowed_token_ids=body.allowed_token_ids,
+            bad_words_token_ids=encode_bad_words(backend.tokenizer, body.bad_words),
         )
     except InvalidRequestError as e:  # name the field as this body spells it
         renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(e.field)

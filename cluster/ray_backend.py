@@ -63,7 +63,8 @@ def engine_params(req: GenerateRequest) -> EngineSamplingParams:
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
         logit_bias=dict(s.logit_bias), guided=s.guided, min_tokens=s.min_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output, skip_special_tokens=s.skip_special_tokens,
-        allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids))
+        allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids),
+        bad_words_token_ids=[list(w) for w in s.bad_words_token_ids])
 
 
 class _ReplicaFailure(Exception):

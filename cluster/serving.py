@@ -18,13 +18,16 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 from cluster.backend import Backend, Tokenizer
+from cluster.errors import quote
 from cluster.metrics import RequestMetrics
 from cluster.types import (FinishReason, GenerateDelta, GenerateRequest, InvalidRequestError, NoReplicaError,
                            OverloadedError)
+from engine.sampling import bad_words_token_ids
 
 log = logging.getLogger(__name__)
 
 INCOMPLETE_STREAM = "the backend ended the stream without finishing the request"
+MAX_BAD_WORDS = 128  # words a request may ban (each is tokenized twice: with and without a space before)
 
 
 class ApiKeys:
@@ -53,6 +56,19 @@ def encode_text(tokenizer: Tokenizer, text: str, field: str = "prompt") -> list[
     if not text:
         raise InvalidRequestError(field, "must not be empty")
     return list(tokenizer.encode(text))
+
+
+def encode_bad_words(tokenizer: Tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as the token sequences the replicas ban (`engine.sampling.bad_words_token_ids`:
+    each word as it is and after a space)."""
+    if words is None:
+        return ()
+    if not isinstance(words, list) or any(not isinstance(w, str) or not w.strip() for w in words):
+        raise InvalidRequestError("bad_words", f"must be a list of non-empty strings, got {quote(words)}")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequestError("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    ids = bad_words_token_ids(lambda text: tokenizer.encode(text, add_special_tokens=False), words)
+    return tuple(tuple(w) for w in ids)
 
 
 def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], field: str = "messages",

@@ -61,6 +61,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, as the frontend tokenized them
 
 
 @dataclass

@@ -78,6 +78,7 @@ def validate_request(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
     allowed_token_ids: Sequence[int] | None = None,
+    bad_words_token_ids: Sequence[Sequence[int]] = (),
 ) -> SamplingParams:
     """Check a tokenized prompt and its sampling parameters; return the params to run with."""
     n = len(prompt_token_ids)
@@ -123,6 +124,8 @@ def validate_request(
         if not allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids", "must not be empty")
         _check_ids("allowed_token_ids", allowed_token_ids, vocab_size)
+    for ids in bad_words_token_ids:  # (a tokenizer whose ids pass the model's vocabulary)
+        _check_ids("bad_words", ids, vocab_size)
     if guided is not None:
         for name, value in (("min_tokens", min_tokens), ("allowed_token_ids", allowed_token_ids)):
             if value:  # the grammar decides which tokens may come and where the output ends
@@ -156,4 +159,5 @@ def validate_request(
         min_tokens=min_tokens, include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
         allowed_token_ids=None if allowed_token_ids is None else tuple(sorted(set(allowed_token_ids))),
+        bad_words_token_ids=tuple(tuple(w) for w in bad_words_token_ids),
     )

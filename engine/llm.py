@@ -8,6 +8,7 @@ tokenization, detokenization and stop strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor, RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, bad_words_token_ids
 from engine.sequence import Sequence, SequenceStatus
 
 Prompt = str | list[int]
@@ -119,6 +120,11 @@ class LLM:
         prompt, computed once, its full blocks shared by the n sequences."""
         params = params or SamplingParams()
         params.validate()
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError(f"bad_words: {self.model_dir} has no tokenizer; pass bad_words_token_ids")
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False), params.bad_words))
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.encode(prompt)
         first = None

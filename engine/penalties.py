@@ -7,6 +7,7 @@ replica and the rest on a decode replica, after a preemption, or after it
 migrated with the tokens its client already had. In order, per row:
 
     allowed_token_ids   logit[t] = -inf for every t not in it
+    bad_words           logit[w[-1]] = -inf for each word's tokens w whose w[:-1] ends the output
     min_tokens          logit[t] = -inf for EOS (unless ignore_eos) and stop_token_ids while the output is shorter
     logit_bias          logit[t] += bias[t]
     repetition_penalty  for t in prompt + output: logit[t] / r if logit[t] > 0 else logit[t] * r
@@ -43,6 +44,11 @@ def adjust_logits(
             ids = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=dev)
             keep[ids] = row[ids]
             row.copy_(keep)
+        if p.bad_words_token_ids:
+            banned = sorted({w[-1] for w in p.bad_words_token_ids
+                             if w[-1] < vocab and (len(w) == 1 or _ends_with(output, w[:-1]))})
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
         if p.min_tokens > len(output):  # what would end the output (EOS does not under ignore_eos)
             ends = set(p.stop_token_ids) | (set() if p.ignore_eos or not eos_ids else set(eos_ids[i]))
             banned = sorted(t for t in ends if t < vocab)
@@ -61,3 +67,8 @@ def adjust_logits(
             counts = counts[:vocab].to(row.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return out
+
+
+def _ends_with(output: Sequence[int], prefix: list[int]) -> bool:
+    n = len(prefix)
+    return len(output) >= n and list(output[len(output) - n:]) == prefix

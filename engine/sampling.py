@@ -40,6 +40,21 @@ MAX_CHOICES = 16  # n
 MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (logprobs, prompt_logprobs)
 
 
+def bad_words_token_ids(encode, words) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as it is and after a space (a word mid-sentence is
+    usually its own token with the space in it), each distinct sequence once. ``encode``: text -> token
+    ids, without special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise SamplingError(f"bad_words: each must be a non-empty string, got {word!r}")
+        for text in (word.strip(), " " + word.strip()):
+            ids = list(encode(text))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 class SamplingError(ValueError):
     """An invalid sampling parameter; the message names the field."""
 
@@ -65,6 +80,10 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output is kept in its text
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens can be sampled (None: any)
+    # vLLM's bad_words: engine.LLM turns them into token sequences (`bad_words_token_ids`), and a sequence's
+    # last token cannot be sampled where the output so far ends with the rest of it (one token: never)
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     guided: GuidedSpec | None = None  # the output must match this (engine.guided)
     # OpenAI's penalties, in [-2, 2], on the output so far: each logit minus
     # presence_penalty if the token occurs in it, minus frequency_penalty times its count
@@ -86,6 +105,8 @@ class SamplingParams:
                                if isinstance(self.stop_token_ids, tuple) else self.stop_token_ids)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words_token_ids, (tuple, list)):
+            self.bad_words_token_ids = [list(w) if isinstance(w, tuple) else w for w in self.bad_words_token_ids]
         self.validate()
 
     @property
@@ -100,6 +121,8 @@ class SamplingParams:
                                    stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                                    allowed_token_ids=None if self.allowed_token_ids is None
                                    else list(self.allowed_token_ids),
+                                   bad_words=list(self.bad_words),
+                                   bad_words_token_ids=[list(w) for w in self.bad_words_token_ids],
                                    logit_bias=dict(self.logit_bias))
 
     @property
@@ -109,9 +132,9 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this request's logits before sampling (penalties, logit_bias,
-        allowed_token_ids, and min_tokens' mask of the stop tokens)."""
+        allowed_token_ids, bad words, and min_tokens' mask of the stop tokens)."""
         return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or bool(self.bad_words_token_ids))
 
     def validate(self) -> None:
         def bad(name: str, msg: str):
@@ -160,6 +183,13 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip()
+                                                      for w in self.bad_words):
+            bad("bad_words", "must be a list of non-empty strings")
+        if not isinstance(self.bad_words_token_ids, list) or any(
+                not isinstance(w, list) or not w or any(not is_int(t) or t < 0 for t in w)
+                for w in self.bad_words_token_ids):
+            bad("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")
         if self.guided is not None:  # the grammar decides which tokens may come and where the output ends
             for name in ("min_tokens", "allowed_token_ids"):
                 if getattr(self, name):

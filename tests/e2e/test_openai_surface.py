@@ -154,7 +154,7 @@ def test_the_responses_api_answers_as_a_chat_would(client, model, cluster):
 
 
 def test_vllm_sampling_extras(client, model, cluster):
-    """min_tokens, include_stop_str_in_output, skip_special_tokens, allowed_token_ids and
+    """min_tokens, include_stop_str_in_output, skip_special_tokens, allowed_token_ids, bad_words and
     truncate_prompt_tokens as vLLM's clients send them (extra_body), and over gRPC: the first token is the
     prefill replica's, the rest the decode replica's, and each keeps to them."""
     count = "Count: 1, 2, 3, 4, 5, 6, 7, 8"
@@ -190,4 +190,11 @@ def test_vllm_sampling_extras(client, model, cluster):
     assert set(out.token_ids) <= set(allowed)
     out = cluster.client.generate(count, max_tokens=1, temperature=0, truncate_prompt_tokens=4)
     assert out.usage.prompt_tokens == 4
+    # bad_words: the greedy output's second word, banned, is not in it any more (over HTTP and gRPC)
+    word = _greedy(client, model, "The capital of France is").text.split()[1]
+    avoided = _greedy(client, model, "The capital of France is", extra_body={"bad_words": [word]})
+    assert word not in avoided.text.split(), (word, avoided.text)
+    out = cluster.client.generate("The capital of France is", max_tokens=16, temperature=0, ignore_eos=True,
+                                  bad_words=[word])
+    assert out.text == avoided.text
     assert cluster.wait_pools_free() == {rid: True for rid in cluster.cluster.actors}

@@ -1,5 +1,6 @@
 """vLLM's sampling extras on the engine: min_tokens (no EOS, stop token or stop string before it),
-allowed_token_ids, include_stop_str_in_output and skip_special_tokens; each refused by name when bad."""
+allowed_token_ids, bad_words, include_stop_str_in_output and skip_special_tokens; each refused by name
+when bad."""
 from __future__ import annotations
 
 import pytest
@@ -64,12 +65,40 @@ def test_allowed_token_ids_is_the_argmax_among_them(llm, hf):
     assert llm.core.pool.is_fully_free()
 
 
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it(llm, hf):
+    """A one-token bad word is never sampled; a two-token one's second token only right after its first.
+    Greedy, the output is then the argmax of what is left, as transformers' logits give it."""
+    from engine.penalties import adjust_logits
+
+    logits = torch.zeros(2, VOCAB)
+    params = [greedy(bad_words_token_ids=[[5], [7, 9]])] * 2
+    out = adjust_logits(logits, params, [([1], [3, 7]), ([1], [7, 3])])
+    assert out[0].isinf().nonzero().flatten().tolist() == [5, 9]  # the output ends with 7: 9 is banned
+    assert out[1].isinf().nonzero().flatten().tolist() == [5]
+    prompt = random_prompts(1, VOCAB, [7], seed=4)[0]
+    plain = llm.generate([prompt], greedy(max_tokens=8, ignore_eos=True))[0].token_ids
+    banned = [[plain[0]], plain[1:3]]  # the first token, and the second after the third... as a pair
+    out = llm.generate([prompt], greedy(max_tokens=8, ignore_eos=True, bad_words_token_ids=banned))[0].token_ids
+    assert out[0] != plain[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    for j, row in enumerate(logits):
+        row = row.clone()
+        row[plain[0]] = float("-inf")
+        if j and out[j - 1] == plain[1]:
+            row[plain[2]] = float("-inf")
+        assert out[j] == int(row.argmax()), f"token {j}"
+    assert llm.core.pool.is_fully_free()
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(min_tokens=5, max_tokens=4), "min_tokens: must be an integer in [0, max_tokens=4]"),
     (dict(min_tokens=-1), "min_tokens: must be an integer in [0, max_tokens=16]"),
     (dict(allowed_token_ids=[]), "allowed_token_ids: must be a non-empty list of non-negative token ids"),
     (dict(allowed_token_ids=[3, -1]), "allowed_token_ids: must be a non-empty list"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output: must be true or false"),
+    (dict(bad_words=["ok", " "]), "bad_words: must be a list of non-empty strings"),
+    (dict(bad_words_token_ids=[[3], []]), "bad_words_token_ids: must be a list of non-empty lists"),
     (dict(min_tokens=2, guided=GuidedSpec("regex", "[ab]+")), "min_tokens: cannot be combined with guided decoding"),
     (dict(allowed_token_ids=[4], guided=GuidedSpec("regex", "a")), "allowed_token_ids: cannot be combined with guided"),
 ])
@@ -99,4 +128,9 @@ def test_stop_strings_with_the_default_models_tokenizer(default_model_dir):
     assert llm.generate(prompt, greedy(**forced))[0].text == ""
     shown = llm.generate(prompt, greedy(**forced, skip_special_tokens=False))[0]
     assert shown.token_ids == [end] * 3 and shown.text == llm.tokenizer.decode([end], skip_special_tokens=False) * 3
+    # bad_words as words: the tokenizer makes their sequences, with and without a space before
+    word = plain.text.split()[1]  # a word the plain output has after its first
+    assert word in plain.text.split()
+    avoided = llm.generate(prompt, greedy(max_tokens=16, bad_words=[word]))[0]
+    assert word not in avoided.text.split(), (word, avoided.text)
     assert llm.core.pool.is_fully_free()

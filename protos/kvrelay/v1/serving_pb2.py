@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/serving.proto\x12\nkvrelay.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdc\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x14 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x9a\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8f\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08timeline\x18\x07 \x01(\x08\x12*\n\x06guided\x18\x08 \x01(\x0b\x32\x1a.kvrelay.v1.GuidedDecodingB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12-\n\x08timeline\x18\x07 \x01(\x0b\x32\x1b.kvrelay.v1.RequestTimeline\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\xdf\x02\n\x0fRequestTimeline\x12\x15\n\x08routed_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10prefill_queued_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fprefill_start_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rprefill_end_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12kv_transfer_done_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x15\n\x08\x66inish_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x42\x0b\n\t_routed_sB\x13\n\x11_prefill_queued_sB\x12\n\x10_prefill_start_sB\x10\n\x0e_prefill_end_sB\x15\n\x13_kv_transfer_done_sB\x16\n\x14_first_decode_step_sB\x0b\n\t_finish_s\"2\n\x0eProfileRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0f\n\x07out_dir\x18\x02 \x01(\t\">\n\x0cProfileTrace\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"P\n\x0fProfileResponse\x12\x13\n\x0btrace_files\x18\x01 \x03(\t\x12(\n\x06traces\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.ProfileTrace\"\x13\n\x11ListModelsRequest\"Y\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rtokenizer_dir\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x12\n\x10GetStatusRequest\"\xf6\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x14\n\x0crunning_seqs\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x05\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x10\n\x08kv_usage\x18\t \x01(\x02\x12\r\n\x05state\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\x05\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x12\x11\n\trank_pids\x18\x0e \x03(\x05\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x11 \x01(\x05\x12\x12\n\nkernel_isa\x18\x10 \x01(\t\"n\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12+\n\x08replicas\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.ReplicaStatus\x12\x0f\n\x07waiting\x18\x04 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x07KVRelay\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12H\n\tGetStatus\x12\x1c.kvrelay.v1.GetStatusRequest\x1a\x1d.kvrelay.v1.GetStatusResponse\x12\x42\n\x07Profile\x12\x1a.kvrelay.v1.ProfileRequest\x1a\x1b.kvrelay.v1.ProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/serving.proto\x12\nkvrelay.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x14 \x01(\x05H\r\x88\x01\x01\x12\x11\n\tbad_words\x18\x15 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x9a\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8f\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08timeline\x18\x07 \x01(\x08\x12*\n\x06guided\x18\x08 \x01(\x0b\x32\x1a.kvrelay.v1.GuidedDecodingB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12-\n\x08timeline\x18\x07 \x01(\x0b\x32\x1b.kvrelay.v1.RequestTimeline\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\xdf\x02\n\x0fRequestTimeline\x12\x15\n\x08routed_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10prefill_queued_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fprefill_start_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rprefill_end_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12kv_transfer_done_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x15\n\x08\x66inish_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x42\x0b\n\t_routed_sB\x13\n\x11_prefill_queued_sB\x12\n\x10_prefill_start_sB\x10\n\x0e_prefill_end_sB\x15\n\x13_kv_transfer_done_sB\x16\n\x14_first_decode_step_sB\x0b\n\t_finish_s\"2\n\x0eProfileRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0f\n\x07out_dir\x18\x02 \x01(\t\">\n\x0cProfileTrace\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"P\n\x0fProfileResponse\x12\x13\n\x0btrace_files\x18\x01 \x03(\t\x12(\n\x06traces\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.ProfileTrace\"\x13\n\x11ListModelsRequest\"Y\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rtokenizer_dir\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x12\n\x10GetStatusRequest\"\xf6\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x14\n\x0crunning_seqs\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x05\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x10\n\x08kv_usage\x18\t \x01(\x02\x12\r\n\x05state\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\x05\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x12\x11\n\trank_pids\x18\x0e \x03(\x05\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x11 \x01(\x05\x12\x12\n\nkernel_isa\x18\x10 \x01(\t\"n\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12+\n\x08replicas\x18\x03 \x03(\x0b\x32\x19.kvrelay.v1.ReplicaStatus\x12\x0f\n\x07waiting\x18\x04 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x07KVRelay\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12H\n\tGetStatus\x12\x1c.kvrelay.v1.GetStatusRequest\x1a\x1d.kvrelay.v1.GetStatusResponse\x12\x42\n\x07Profile\x12\x1a.kvrelay.v1.ProfileRequest\x1a\x1b.kvrelay.v1.ProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3282
-  _globals['_FINISHREASON']._serialized_end=3402
+  _globals['_FINISHREASON']._serialized_start=3301
+  _globals['_FINISHREASON']._serialized_end=3421
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_CHATMESSAGES']._serialized_start=86
@@ -42,43 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=145
   _globals['_TOKENIDS']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=1031
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=748
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=796
-  _globals['_GUIDEDDECODING']._serialized_start=1034
-  _globals['_GUIDEDDECODING']._serialized_end=1188
-  _globals['_CHOICELIST']._serialized_start=1190
-  _globals['_CHOICELIST']._serialized_end=1219
-  _globals['_GENERATEREQUEST']._serialized_start=1222
-  _globals['_GENERATEREQUEST']._serialized_end=1493
-  _globals['_USAGE']._serialized_start=1495
-  _globals['_USAGE']._serialized_end=1582
-  _globals['_TOPLOGPROB']._serialized_start=1584
-  _globals['_TOPLOGPROB']._serialized_end=1631
-  _globals['_TOKENLOGPROB']._serialized_start=1633
-  _globals['_TOKENLOGPROB']._serialized_end=1747
-  _globals['_GENERATERESPONSE']._serialized_start=1750
-  _globals['_GENERATERESPONSE']._serialized_end=2046
-  _globals['_REQUESTTIMELINE']._serialized_start=2049
-  _globals['_REQUESTTIMELINE']._serialized_end=2400
-  _globals['_PROFILEREQUEST']._serialized_start=2402
-  _globals['_PROFILEREQUEST']._serialized_end=2452
-  _globals['_PROFILETRACE']._serialized_start=2454
-  _globals['_PROFILETRACE']._serialized_end=2516
-  _globals['_PROFILERESPONSE']._serialized_start=2518
-  _globals['_PROFILERESPONSE']._serialized_end=2598
-  _globals['_LISTMODELSREQUEST']._serialized_start=2600
-  _globals['_LISTMODELSREQUEST']._serialized_end=2619
-  _globals['_MODELINFO']._serialized_start=2621
-  _globals['_MODELINFO']._serialized_end=2710
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2712
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2771
-  _globals['_GETSTATUSREQUEST']._serialized_start=2773
-  _globals['_GETSTATUSREQUEST']._serialized_end=2791
-  _globals['_REPLICASTATUS']._serialized_start=2794
-  _globals['_REPLICASTATUS']._serialized_end=3168
-  _globals['_GETSTATUSRESPONSE']._serialized_start=3170
-  _globals['_GETSTATUSRESPONSE']._serialized_end=3280
-  _globals['_KVRELAY']._serialized_start=3405
-  _globals['_KVRELAY']._serialized_end=3706
+  _globals['_SAMPLINGPARAMS']._serialized_end=1050
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=767
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=815
+  _globals['_GUIDEDDECODING']._serialized_start=1053
+  _globals['_GUIDEDDECODING']._serialized_end=1207
+  _globals['_CHOICELIST']._serialized_start=1209
+  _globals['_CHOICELIST']._serialized_end=1238
+  _globals['_GENERATEREQUEST']._serialized_start=1241
+  _globals['_GENERATEREQUEST']._serialized_end=1512
+  _globals['_USAGE']._serialized_start=1514
+  _globals['_USAGE']._serialized_end=1601
+  _globals['_TOPLOGPROB']._serialized_start=1603
+  _globals['_TOPLOGPROB']._serialized_end=1650
+  _globals['_TOKENLOGPROB']._serialized_start=1652
+  _globals['_TOKENLOGPROB']._serialized_end=1766
+  _globals['_GENERATERESPONSE']._serialized_start=1769
+  _globals['_GENERATERESPONSE']._serialized_end=2065
+  _globals['_REQUESTTIMELINE']._serialized_start=2068
+  _globals['_REQUESTTIMELINE']._serialized_end=2419
+  _globals['_PROFILEREQUEST']._serialized_start=2421
+  _globals['_PROFILEREQUEST']._serialized_end=2471
+  _globals['_PROFILETRACE']._serialized_start=2473
+  _globals['_PROFILETRACE']._serialized_end=2535
+  _globals['_PROFILERESPONSE']._serialized_start=2537
+  _globals['_PROFILERESPONSE']._serialized_end=2617
+  _globals['_LISTMODELSREQUEST']._serialized_start=2619
+  _globals['_LISTMODELSREQUEST']._serialized_end=2638
+  _globals['_MODELINFO']._serialized_start=2640
+  _globals['_MODELINFO']._serialized_end=2729
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2731
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2790
+  _globals['_GETSTATUSREQUEST']._serialized_start=2792
+  _globals['_GETSTATUSREQUEST']._serialized_end=2810
+  _globals['_REPLICASTATUS']._serialized_start=2813
+  _globals['_REPLICASTATUS']._serialized_end=3187
+  _globals['_GETSTATUSRESPONSE']._serialized_start=3189
+  _globals['_GETSTATUSRESPONSE']._serialized_end=3299
+  _globals['_KVRELAY']._serialized_start=3424
+  _globals['_KVRELAY']._serialized_end=3725
 # @@protoc_insertion_point(module_scope)
