@@ -37,7 +37,10 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels; kvrelay sends none
 
-# MAX_CHOICES (engine.sampling) bounds n, and prompts times n
+# MAX_CHOICES (engine.sampling) bounds n; a completion's list of prompts times n is bounded by MAX_RESPONSE_CHOICES
+# (lm-evaluation-harness batches its requests as lists of prompts: --batch_size 64 sends 64). Each choice is a
+# request of its own to the router, so a large list waits in its admission queue like as many clients would.
+MAX_RESPONSE_CHOICES = 256
 
 
 class _GenerateBody(_Body):
@@ -173,9 +176,9 @@ def to_choices(body: CompletionBody | ChatBody, backend: Backend, request_id: st
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError("n", f"must be in [1, {MAX_CHOICES}], got {quote(n)}")
     prompts = [None] if isinstance(body, ChatBody) else _prompt_list(body.prompt)
-    if len(prompts) * n > MAX_CHOICES:
+    if len(prompts) * n > MAX_RESPONSE_CHOICES:
         raise InvalidRequestError("n" if n > 1 else "prompt", f"{len(prompts)} prompts times n={n} is more than "
-                                                              f"{MAX_CHOICES} choices")
+                                                              f"{MAX_RESPONSE_CHOICES} choices")
     if len(prompts) * n > 1 and body.kvrelay_timeline:
         raise InvalidRequestError("kvrelay_timeline", "is given for one choice only (n=1, one prompt)")
     echo = isinstance(body, CompletionBody) and bool(body.echo)

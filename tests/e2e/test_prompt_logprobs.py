@@ -73,15 +73,18 @@ def cluster(request, ray_instance):
 
 
 def test_lm_eval_loglikelihood_requests(cluster, reference):
-    """Token-id prompts in one request, as lm-eval batches them; asked twice, the second time out of the
-    prefill replica's prefix cache, which must not skip the positions being scored."""
+    """Token-id prompts in one request, as lm-eval batches them (24 of them: more than n's bound of 16);
+    asked twice, the second time out of the prefill replica's prefix cache, which must not skip the
+    positions being scored."""
     ctxlen, prompts, refs, text_of = reference
+    prompts, refs = prompts * 12, refs * 12
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
             "temperature": 0, "seed": 1234}
     for _ in range(2):
         status, r = post(cluster.http_port, "completions", body)
         assert status == 200, r
         choices = sorted(r["choices"], key=lambda c: c["index"])
+        assert len(choices) == len(prompts)
         for choice, prompt, ref in zip(choices, prompts, refs):
             check_echo(choice, prompt, ref, text_of)
             want = sum(lp["token_logprob"] for lp in ref[ctxlen:])
