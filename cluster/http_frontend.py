@@ -273,7 +273,9 @@ class HttpFrontend:
             streams = [await stack.enter_async_context(contextlib.aclosing(
                 run_request(self.backend, c.request, self.metrics.start_request("http", c.request))))
                 for c in choices]
-            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+            reading = _ChoiceStreams(streams)
+            stack.push_async_callback(reading.aclose)  # (runs first: the readers stop before the streams close)
+            firsts = await reading.firsts()
             for c, first in zip(choices, firsts):
                 if isinstance(first, InvalidRequestError):
                     return invalid(first)
@@ -286,7 +288,7 @@ class HttpFrontend:
                       if c.request.fork_of is None}
             for c, out in zip(choices, outs):
                 out.set_prompt(c.request.prompt_token_ids, scored.get(c.prompt_index))
-            deltas = _merged(streams, firsts)
+            deltas = reading.merged()
             try:
                 if body.stream:
                     return await _stream_choices(request, choices, outs, deltas)
@@ -341,37 +343,64 @@ class HttpFrontend:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-async def _merged(streams: list[AsyncIterator[GenerateDelta]], firsts: list[GenerateDelta]
-                  ) -> AsyncIterator[tuple[int, GenerateDelta | BaseException]]:
-    """(choice position, delta or the exception its stream raised) as they come, the first deltas first; ends
-    when every stream has ended. Closing it stops the readers (the streams' owner then aborts the requests)."""
-    queue: asyncio.Queue = asyncio.Queue()
+class _ChoiceStreams:
+    """Every choice's stream read from the start, each by a task of its own, into one queue: a choice
+    holds its router placement until its stream is read to its end, so a choice still waiting for a
+    replica must never wait on how far the response has read another choice (a list of more prompts
+    than the replicas hold at once would wait for ever). `firsts` gives each choice's first delta (or
+    the exception its stream raised before one); `merged` gives those, then the rest as they come."""
 
-    async def read(i: int) -> None:
+    def __init__(self, streams: list[AsyncIterator[GenerateDelta]]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._later: list[tuple[int, GenerateDelta | BaseException | None]] = []  # came before every first did
+        self._readers = [asyncio.create_task(self._read(i, s)) for i, s in enumerate(streams)]
+        self._firsts: list = [None] * len(streams)
+
+    async def _read(self, i: int, stream: AsyncIterator[GenerateDelta]) -> None:
         try:
-            if not firsts[i].is_finished:
-                async for delta in streams[i]:
-                    await queue.put((i, delta))
+            async for delta in stream:
+                await self._queue.put((i, delta))
         except Exception as e:
-            await queue.put((i, e))
+            await self._queue.put((i, e))
         finally:
-            await queue.put((i, None))
+            await self._queue.put((i, None))
 
-    readers = [asyncio.create_task(read(i)) for i in range(len(streams))]
-    try:
-        for i, first in enumerate(firsts):
+    async def firsts(self) -> list[GenerateDelta | BaseException]:
+        missing = set(range(len(self._firsts)))
+        while missing:
+            i, item = await self._queue.get()
+            if i not in missing:
+                self._later.append((i, item))
+                continue
+            missing.discard(i)
+            self._firsts[i] = item if item is not None else RuntimeError(INCOMPLETE_STREAM)
+            if item is None:
+                self._later.append((i, None))
+        return list(self._firsts)
+
+    async def merged(self) -> AsyncIterator[tuple[int, GenerateDelta | BaseException]]:
+        """(choice position, delta or the exception its stream raised), the first deltas first; ends when
+        every stream has ended."""
+        for i, first in enumerate(self._firsts):
             yield i, first
-        num_open = len(streams)
+        num_open = len(self._readers)
+        for i, item in self._later:
+            if item is None:
+                num_open -= 1
+            else:
+                yield i, item
         while num_open:
-            i, item = await queue.get()
+            i, item = await self._queue.get()
             if item is None:
                 num_open -= 1
                 continue
             yield i, item
-    finally:
-        for r in readers:
+
+    async def aclose(self) -> None:
+        """Stop the readers (before the streams are closed: their owner then aborts the requests)."""
+        for r in self._readers:
             r.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
+        await asyncio.gather(*self._readers, return_exceptions=True)
 
 
 def _choices_usage(choices: list[oai.Choice], num_tokens: list[int], num_cached: list[int]) -> dict:

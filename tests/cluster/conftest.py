@@ -69,6 +69,10 @@ class EchoBackend:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.profiles: list[tuple[float, str]] = []
+        # requests served at once, as a router's capacity: a request holds its place until its stream is
+        # read to the end (as cluster.ray_backend's placement), and one that finds none within 3 s is refused
+        self.capacity: int | None = None
+        self._places: asyncio.Semaphore | None = None
 
     async def generate(self, req: GenerateRequest):
         if self.overloaded:
@@ -77,6 +81,13 @@ class EchoBackend:
             raise NoReplicaError("no live colocated replica (test)")
         if self.raise_first is not None:
             raise self.raise_first
+        places = None
+        if self.capacity is not None:
+            places = self._places = self._places or asyncio.Semaphore(self.capacity)
+            try:
+                await asyncio.wait_for(places.acquire(), 3.0)
+            except asyncio.TimeoutError:
+                raise OverloadedError("no replica became free within 3 s (test)") from None
         self.requests.append(req)
         self.running.add(req.request_id)
         try:
@@ -106,6 +117,8 @@ class EchoBackend:
                                     timeline=timeline)
         finally:
             self.running.discard(req.request_id)
+            if places is not None:
+                places.release()
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

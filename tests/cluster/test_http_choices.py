@@ -61,6 +61,27 @@ def test_echo_puts_the_prompt_before_the_completion(served):
     assert "".join(c.choices[0].text for c in streamed) == "cat<s> cat "
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_choices_than_the_replicas_hold_at_once_all_finish(served, stream):
+    """12 prompts with n=2 (24 choices) where the backend serves 4 requests at once, each holding its
+    place until its stream is read to the end: every choice is read from the start, so each frees its
+    place for the next one, and none waits on how far the response has read another (lm-evaluation-harness
+    sends lists of 32 or 64 prompts)."""
+    served.backend.capacity = 4
+    served.backend.delay_s = 0.005
+    prompts = ["hello world", "cat"] * 6
+    r = served.client().completions.create(model="echo", prompt=prompts, n=2, max_tokens=4, stream=stream)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for c in (r.choices if not stream else [c for chunk in r for c in chunk.choices]):
+        texts[c.index] = texts.get(c.index, "") + c.text
+        reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert sorted(texts) == list(range(24))
+    assert [texts[i] for i in range(24)] == [t for p in prompts for t in [f"<s> {p} "] * 2]
+    assert set(reasons.values()) == {"stop"}
+    assert len(served.backend.requests) == 24
+
+
 def test_a_refused_choice_refuses_the_whole_response(served):
     with pytest.raises(openai.BadRequestError) as info:
         served.client().completions.create(model="echo", prompt=["hello", [6, 99]], max_tokens=2)
