@@ -145,7 +145,7 @@ class RayBackend:
                 return
             attempt = rid if not causes and not num_unreachable else f"{rid}#{len(causes) + num_unreachable}"
             self._attempts[rid] = (attempt, placement)
-            finished = False
+            finished = released = False
             try:
                 inbox = self._start_attempt(attempt, placement, request.prompt_token_ids, params, emitted, fork_of)
                 async for delta in self._deltas(request, attempt, inbox, placement, routed_at):
@@ -153,8 +153,11 @@ class RayBackend:
                         delta.request_id = rid
                     emitted.extend(delta.token_ids)
                     if delta.is_finished:
-                        finished = True
+                        finished = released = True
                         delta.migrations = tuple(causes)
+                        # its capacity goes to the next request now, not once the consumer comes back for
+                        # more: it may be reading other streams first (a response's several choices)
+                        self.router.release(placement)
                     yield delta
                     if finished:
                         return
@@ -175,7 +178,8 @@ class RayBackend:
                 log.warning("request %s: %s; migrating it after %d tokens (migration %d of %d)", rid, f.error,
                             len(emitted), len(causes), self.health.migration_limit)
             finally:
-                self.router.release(placement)
+                if not released:
+                    self.router.release(placement)
                 self.channels.close(attempt)
                 if not finished:  # the consumer went away, or the replicas failed it: free what they hold
                     self._abort_on(attempt, placement)
