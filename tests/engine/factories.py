@@ -102,3 +102,26 @@ def tiny_llm_with_tokenizer(folder: Path, tokenizer_dir: Path, llm_kw: dict | No
 
     save_tiny_model_with_tokenizer(folder, tokenizer_dir, **overrides)
     return LLM(str(folder), **dict({"dtype": "float32", "num_kv_blocks": 256}, **(llm_kw or {})))
+
+
+def run_ranks(target, size: int, *args) -> dict[int, object]:
+    """``target(rank, results, *args)`` in ``size`` spawned processes, each putting ``(rank, value)`` in
+    ``results`` (plain lists: a tensor in a queue would be shared memory its exiting sender takes along);
+    returns {rank: value} once every process exited 0. Any left running is killed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, results, *args)) for r in range(size)]
+    try:
+        for p in procs:
+            p.start()
+        out = dict(results.get(timeout=120) for _ in range(size))
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

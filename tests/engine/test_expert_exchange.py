@@ -5,7 +5,6 @@ interleaved with all-reduces on the same slots) and on gloo; a rank that never a
 others fail within the timeout, naming the exchange."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from engine.parallel.comm import CollectiveError, GlooCollectives, row_splits
 from engine.parallel.group import _free_port
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
+from tests.engine.factories import run_ranks
 
 H = 8
 # splits[s][d]: rows rank s sends rank d; 1000 rows of fp32 [8] are 32 kB, eight 4 kB windows
@@ -27,7 +27,7 @@ def rows_for(s: int, d: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (s * 10000 + d * 1000 + i % 1000 + torch.arange(H) / 16).to(dtype)
 
 
-def _rank(backend: str, rank: int, size: int, where: str, layout, dtype, results) -> None:
+def _rank(rank: int, results, backend: str, size: int, where: str, layout, dtype) -> None:
     torch.set_num_threads(1)
     comm = (ShmGroup(where, layout, rank, 30.0) if backend == "shm"
             else GlooCollectives(rank, size, where, 30.0))
@@ -39,9 +39,8 @@ def _rank(backend: str, rank: int, size: int, where: str, layout, dtype, results
     mine = rows_for(rank, rank, GATHER_ROWS[size][rank], dtype)
     gathered = comm.all_gather(mine, GATHER_ROWS[size])
     counts = comm.all_gather(torch.tensor([[rank, 7 * rank]]), [1] * size)
-    # (plain lists: a tensor in a queue would be shared memory its exiting sender takes along)
-    results.put((rank, str(got.dtype), got.float().tolist(), gathered.float().tolist(), counts.tolist(),
-                 total.tolist()))
+    results.put((rank, (str(got.dtype), got.float().tolist(), gathered.float().tolist(), counts.tolist(),
+                        total.tolist())))
     if backend == "gloo":
         comm.close()
 
@@ -52,23 +51,9 @@ def _rank(backend: str, rank: int, size: int, where: str, layout, dtype, results
 def test_all_to_all_and_all_gather_move_uneven_rows(backend, size, dtype):
     layout = SegmentLayout.make(size, 4096, 4096, 4096)
     where = create_segment(layout) if backend == "shm" else f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(backend, r, size, where, layout, dtype, results)) for r in range(size)]
     try:
-        for p in procs:
-            p.start()
-        out = {}
-        for _ in range(size):
-            rank, *rest = results.get(timeout=120)
-            out[rank] = rest
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
+        out = run_ranks(_rank, size, backend, size, where, layout, dtype)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         if backend == "shm":
             unlink_segment(where)
     splits, gather_rows = SPLITS[size], GATHER_ROWS[size]

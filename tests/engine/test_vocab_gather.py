@@ -5,13 +5,13 @@ No rank may write its slot again before rank 0 read what it held: every row come
 gather and rank."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
 
 from engine.parallel.shm import SegmentLayout, ShmGroup, create_segment, unlink_segment
+from tests.engine.factories import run_ranks
 
 VOCAB_SHARD = 16
 ROWS = [3, 40, 1, 64]  # a rank's slot holds 16 rows of 16 float32 (1 kB): 40 and 64 go in chunks
@@ -23,7 +23,7 @@ def shard(gather: int, rank: int, n: int) -> torch.Tensor:
         torch.arange(VOCAB_SHARD) / 32
 
 
-def _rank(rank: int, where: str, layout, results) -> None:
+def _rank(rank: int, results, where: str, layout) -> None:
     torch.set_num_threads(1)
     comm = ShmGroup(where, layout, rank, 30.0)
     out = []
@@ -39,20 +39,9 @@ def _rank(rank: int, where: str, layout, results) -> None:
 def test_back_to_back_gathers_keep_every_ranks_rows(size):
     layout = SegmentLayout.make(size, 4096, 16 * VOCAB_SHARD * 4, 4096)
     where = create_segment(layout)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, where, layout, results)) for r in range(size)]
     try:
-        for p in procs:
-            p.start()
-        out = dict(results.get(timeout=120) for _ in range(size))
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
+        out = run_ranks(_rank, size, where, layout)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         unlink_segment(where)
     for g, n in enumerate(ROWS):
         want = torch.cat([shard(g, r, n) for r in range(size)], dim=1)
