@@ -13,15 +13,19 @@ from engine.sampling import SamplingParams
 from tests.engine.factories import random_prompts, save_tiny_model
 from tests.engine.test_prompt_logprobs import VOCAB, check, params
 
-# name: (engine overrides, top alternatives). The tiny model: 4 layers, 4 heads, 2 KV heads.
+# name: (engine overrides, top alternatives, sampling extras). The tiny model: 4 layers, 4 heads, 2 KV heads.
+# Greedy without logprobs, the last pipeline stage returns each sampled row's token (its argmax) before
+# the scores; with the generated tokens' logprobs asked for too, it returns their logits rows.
 CASES = {
-    "tp2": ({"tensor_parallel_size": 2}, 3),
-    "tp2-gloo-no-top": ({"tensor_parallel_size": 2, "tp_backend": "gloo"}, 0),
+    "tp2": ({"tensor_parallel_size": 2}, 3, {}),
+    "tp2-gloo-no-top": ({"tensor_parallel_size": 2, "tp_backend": "gloo"}, 0, {}),
     # chunks of 8: a prompt's next chunk enters the pipeline before the last one's scores are back
-    "pp2-chunked": ({"pipeline_parallel_size": 2, "max_num_batched_tokens": 8}, 2),
+    "pp2-chunked": ({"pipeline_parallel_size": 2, "max_num_batched_tokens": 8}, 2, {}),
+    "pp2-chunked-logits-rows": ({"pipeline_parallel_size": 2, "max_num_batched_tokens": 8}, 2, {"logprobs": 3}),
     "pp3-split-1-2-1-gloo": ({"pipeline_parallel_size": 3, "pipeline_layer_split": [1, 2, 1],
-                              "tp_backend": "gloo", "max_num_batched_tokens": 16}, 5),
-    "pp2xtp2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 1),
+                              "tp_backend": "gloo", "max_num_batched_tokens": 16}, 5, {}),
+    "pp2-gloo-logits-rows": ({"pipeline_parallel_size": 2, "tp_backend": "gloo"}, 1, {"logprobs": 1}),
+    "pp2xtp2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 1, {}),
 }
 
 
@@ -46,19 +50,22 @@ def make_llm(folder, **kw) -> LLM:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_parallel_replica_scores_the_prompt_as_one_rank(folder, hf, name):
-    engine_kw, k = CASES[name]
+    engine_kw, k, extras = CASES[name]
     prompts = random_prompts(4, VOCAB, [5, 40, 23, 2], seed=11)
     with make_llm(folder) as one:
-        want = one.generate(prompts, params(k, max_tokens=6, ignore_eos=True))
+        want = one.generate(prompts, params(k, max_tokens=6, ignore_eos=True, **extras))
     with make_llm(folder, **engine_kw) as llm:
         assert isinstance(llm.core.runner, TPRunner)  # (PPRunner is one too)
-        outs = llm.generate(prompts, params(k, max_tokens=6, ignore_eos=True))
+        outs = llm.generate(prompts, params(k, max_tokens=6, ignore_eos=True, **extras))
         # a request that asks for nothing beside them still runs the argmax path of the last stage
         plain = llm.generate(prompts[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         assert llm.core.pool.is_fully_free()
     for out, ref in zip(outs, want):
         check(out, hf, k)
         assert out.token_ids == ref.token_ids
+        if extras:  # the generated tokens' own logprobs, from the logits rows returned beside the scores
+            assert [[t for t, _ in lp["top"]] for lp in out.logprobs] == [[t for t, _ in lp["top"]]
+                                                                          for lp in ref.logprobs]
     assert [o.token_ids for o in plain] == [o.token_ids for o in want[:2]]
     assert all(o.prompt_logprobs is None for o in plain)
 
