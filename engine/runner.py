@@ -72,19 +72,18 @@ def plan_scores(batch: list[ScheduledSeq]) -> PromptScores | None:
     sequence computing its prompt again). None: nothing to score."""
     if not any(s.seq.prompt_logprobs_pending for s in batch):  # (every step asks: the common answer first)
         return None
-    plan = None
+    plan = PromptScores([], [], 0)
     for s, row0 in _row_starts(batch):
         seq = s.seq
         if not seq.prompt_logprobs_pending:
             continue
-        plan = plan or PromptScores([], [], 0)
         plan.top = max(plan.top, seq.params.prompt_logprobs)
         end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
         for p in range(max(s.start, len(seq.prompt_logprobs)), end):
             plan.rows.append(row0 + p - s.start)
             plan.targets.append(seq.prompt_token_ids[p + 1])
             plan.owners.append((seq, p))
-    return plan if plan is not None and plan.rows else None
+    return plan if plan.rows else None
 
 
 def score_rows(model: LlamaModel, hidden: torch.Tensor, scores: PromptScores) -> torch.Tensor | None:

@@ -43,11 +43,10 @@ MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (logprobs, pro
 def bad_words_token_ids(encode, words) -> list[list[int]]:
     """vLLM's bad_words as token sequences: each word as it is and after a space (a word mid-sentence is
     usually its own token with the space in it), each distinct sequence once. ``encode``: text -> token
-    ids, without special tokens."""
+    ids, without special tokens. The words are checked already (`SamplingParams.validate`, and the
+    frontends' cluster.serving.encode_bad_words)."""
     out: list[list[int]] = []
     for word in words:
-        if not isinstance(word, str) or not word.strip():
-            raise SamplingError(f"bad_words: each must be a non-empty string, got {word!r}")
         for text in (word.strip(), " " + word.strip()):
             ids = list(encode(text))
             if ids and ids not in out:
