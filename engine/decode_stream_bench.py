@@ -8,9 +8,9 @@ several ways (engine/csrc/matmul_bf16.cpp, `set_bf16_decode_stream`): each threa
 as one run of consecutive blocks (the default) or claims them in four chunks in turn, and each
 block's tile fetches into L2 in software nothing, the block its thread runs next (by default in
 matmuls of at least a number of rows each ISA path sets, the one each setting's label names; or at
-any rows), or its own stream a fixed distance ahead (`--ahead`, bytes; past a matrix's end that is
-the next matrix the step reads). Every setting computes the same bits; which is fastest depends on
-the CPU's memory path and on the rows. One model, every setting, in interleaved rounds of decode (a
+any rows), and below those rows nothing or its own stream a fixed distance ahead (the avx2 path's
+default 1 KiB, or `--ahead`, bytes; past a matrix's end that is the next matrix the step reads).
+Every setting computes the same bits; which is fastest depends on the CPU's memory path and on the rows. One model, every setting, in interleaved rounds of decode (a
 128-token prompt and 128 new tokens by default; `--batch 1,4` also times 4 sequences decoded
 together: up to one register tile of rows, 6 on avx2 and 12 on AVX-512, they take the same
 setting), each round's ratios taken within the round: these machines are shared and noisy. Each
@@ -41,14 +41,21 @@ DEFAULT_AHEAD = (1024, 4096, 16384)
 
 
 def settings(default: tuple[int, int, int], ahead: tuple[int, ...] = DEFAULT_AHEAD) -> tuple[Setting, ...]:
-    """The ISA path's default first (`default_bf16_decode_stream()`): the ratios are to it."""
-    chunks, start, _ = default
-    return (Setting(f"default: one run a thread, next block from {start} rows", chunks, start),
-            Setting("4 chunks a thread", 4, start),
+    """The ISA path's default first (`default_bf16_decode_stream()`): the ratios are to it. The
+    distances are tried where the own-stream prefetch applies, below the rows the next block is
+    fetched from (at one row on every path)."""
+    chunks, start, own = default
+
+    def below(a: int) -> str:
+        return f", {a / 1024:g} KiB ahead below" if a else ", nothing ahead below"
+
+    return (Setting(f"default: one run a thread, next block from {start} rows{below(own) if own else ''}",
+                    chunks, start, own),
+            Setting("4 chunks a thread", 4, start, own),
             Setting("one run, no prefetch", 1, 0),
             Setting("one run, next block at any rows", 1, 1),
-            *(Setting(f"one run, prefetched {a / 1024:g} KiB ahead", 1, 0, a)
-              for a in ahead))
+            *(Setting(f"one run, next block from {start} rows{below(a)}", 1, start, a)
+              for a in ((0,) if own else ()) + tuple(a for a in ahead if a != own)))
 
 
 def load(model: str | None, isa: str):

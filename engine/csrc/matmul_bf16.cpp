@@ -79,24 +79,30 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // - the chunks of blocks a thread claims (par_for's per_thread: 1, one run of consecutive blocks a
 //   thread, or more, claimed in turn);
 // - what each block's tile fetches into L2 in software, spread over its k loop at the rate it
-//   reads: nothing, the block its thread runs next (for matmuls of prefetch_next_from rows or
-//   more; 0: none), or its own stream a fixed distance ahead (prefetch_ahead bytes; past a
-//   matrix's end that is the next matrix the step reads, since the weights lie in the order they
-//   are read, engine/model.py _to_huge_pages).
+//   reads: the block its thread runs next (for matmuls of prefetch_next_from rows or more; 0:
+//   none), and in matmuls of fewer rows nothing or its own stream a fixed distance ahead
+//   (prefetch_ahead bytes; past a matrix's end that is the next matrix the step reads, since the
+//   weights lie in the order they are read, engine/model.py _to_huge_pages).
 // Which is faster depends on the CPU's memory path; engine.decode_stream_bench compares them on
-// the machine at hand. The defaults are the fastest on a Zen 4 (BENCHMARKS.md "bf16 decode: how a
-// thread streams its weights"): at 2 threads one run a thread beat four chunks by 1.06-1.09x
-// (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16) over three runs, as it did for the
-// quantized matmul (matmul_quant.cpp); prefetching the own stream 256 B-1 KiB ahead was within
-// 1-4% (noise), and 2 KiB or more lost up to 44% ("bf16 decode: a thread's own stream prefetched
-// ahead"). The next-block prefetch costs one row 11-27%, but pays once a block takes a tile long
-// enough to compute that memory would idle meanwhile (BENCHMARKS.md "bf16 decode of several rows,
-// before the next block was prefetched for them" and "..., reading it"), so kPrefetchFromRows
-// (isa.h) sets from how many rows, per tile: avx2 from 2 (2-6 rows 1.5-2.0x; its tile takes a block
-// in 2-4 passes past one row), avx512 from 3 (3-12 rows 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16
-// from 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x). Same bits either way.
+// the machine at hand. One run a thread: on a Zen 4 at 2 threads it beat four chunks by
+// 1.06-1.09x (avx2), 1.02-1.07x (avx512) and 1.01-1.08x (avx512bf16) over three runs, as it did
+// for the quantized matmul (matmul_quant.cpp); on a Zen 3 (avx2) by 1.03x at one row and
+// 1.12-1.16x at 2-4 rows (BENCHMARKS.md "bf16 decode: how a thread streams its weights" and "bf16
+// decode on a Zen 3: how a thread streams its weights"). The next-block prefetch costs one row
+// 11-27% (Zen 4), 1-8% (Zen 3), but pays once a block takes a tile long enough to compute that
+// memory would idle meanwhile, so kPrefetchFromRows
+// (isa.h) sets from how many rows, per tile: avx2 from 2 (2-6 rows 1.5-2.0x on a Zen 4, 1.35-1.54x
+// on a Zen 3; its tile takes a block in 2-4 passes past one row), avx512 from 3 (3-12 rows
+// 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16 from 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x).
+// The own stream 1 KiB ahead, one row: on a Zen 3 1.06-1.09x in three runs at 1 and 2 threads,
+// where 1.5-2 KiB read 1.03-1.10x and 256-512 B 0.98-1.04x (the hardware prefetcher there keeps
+// one row's stream at 73-79% of the read wall); on a Zen 4 avx512bf16 1.02-1.04x in alternated
+// A/B runs, the avx2 build (which a Zen 4 runs only when asked) 0.90-0.99x, and 2 KiB or more lost
+// up to 44% there ("bf16 decode: a thread's own stream prefetched ahead"). So kPrefetchAhead
+// (isa.h) is 1 KiB on the avx2 build, which is what CPUs without AVX-512 run, and none on the
+// AVX-512 builds. Same bits either way.
 // the defaults, in decode_stream's order: chunks a thread, prefetch_next_from, prefetch_ahead
-constexpr std::tuple<int, int, int64_t> kDefaultStream{1, MatmulTile::kPrefetchFromRows, 0};
+constexpr std::tuple<int, int, int64_t> kDefaultStream{1, MatmulTile::kPrefetchFromRows, MatmulTile::kPrefetchAhead};
 std::atomic<int> g_decode_chunks{std::get<0>(kDefaultStream)};
 std::atomic<int> g_decode_prefetch_from{std::get<1>(kDefaultStream)};
 std::atomic<int64_t> g_decode_ahead{std::get<2>(kDefaultStream)};
@@ -156,7 +162,8 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
   const bool decode = chunk_rows <= kMaxRows;
   const int from = g_decode_prefetch_from.load(std::memory_order_relaxed);
   const bool fetch_next = !decode || (from > 0 && M >= from);
-  const int64_t ahead = decode ? g_decode_ahead.load(std::memory_order_relaxed) : 0;  // (exclusive with fetch_next)
+  // below prefetch_next_from rows, the own stream prefetch_ahead bytes ahead (0: not)
+  const int64_t ahead = decode && !fetch_next ? g_decode_ahead.load(std::memory_order_relaxed) : 0;
   par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t c = i / blocks, blk = i % blocks;
@@ -194,8 +201,6 @@ void set_decode_stream(int chunks_per_thread, int prefetch_next_from, int64_t pr
   TORCH_CHECK(prefetch_ahead >= 0 && prefetch_ahead <= kMaxAhead && prefetch_ahead % 64 == 0,
               "set_bf16_decode_stream: prefetch_ahead must be a multiple of 64 bytes from 0 to ", kMaxAhead,
               ", not ", prefetch_ahead);
-  TORCH_CHECK(!(prefetch_next_from && prefetch_ahead), "set_bf16_decode_stream: prefetch_next_from and ",
-              "prefetch_ahead are two ways to prefetch; set one, not both");
   g_decode_chunks.store(chunks_per_thread);
   g_decode_prefetch_from.store(prefetch_next_from);
   g_decode_ahead.store(prefetch_ahead);

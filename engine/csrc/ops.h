@@ -64,9 +64,9 @@ void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K,
 void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads);
 // How bf16 matmuls of decode rows stream their weights, process-wide (matmul_bf16.cpp): chunks of
 // blocks a thread (1-64), and what each block's tile prefetches: the thread's next block, in
-// matmuls of prefetch_next_from rows or more (0: none; 1: all), or its own stream prefetch_ahead
-// bytes ahead (a multiple of 64 up to 1 MiB; 0: nothing), not both. default_decode_stream: this
-// ISA's defaults, in decode_stream's order.
+// matmuls of prefetch_next_from rows or more (0: none; 1: all), and in those of fewer rows its own
+// stream prefetch_ahead bytes ahead (a multiple of 64 up to 1 MiB; 0: nothing). default_decode_stream:
+// this ISA's defaults, in decode_stream's order.
 void set_decode_stream(int chunks_per_thread, int prefetch_next_from, int64_t prefetch_ahead);
 std::tuple<int, int, int64_t> decode_stream();
 std::tuple<int, int, int64_t> default_decode_stream();

@@ -22,9 +22,11 @@ def _tile_rows(ext) -> int:
 def decode_stream(native):
     """The bf16 decode stream setting of `native`'s module, put back to the default afterwards."""
     default = native.ext.bf16_decode_stream()
-    # one run of blocks a thread; the next block fetched in software from some rows on, within one tile
+    # one run of blocks a thread; the next block fetched in software from some rows on, within one tile,
+    # and below those rows nothing or the own stream at most 1 KiB ahead (2 KiB and more lose on every
+    # CPU measured, BENCHMARKS.md)
     assert default == native.ext.default_bf16_decode_stream()
-    assert default[0] == 1 and 1 < default[1] <= _tile_rows(native.ext) and default[2] == 0
+    assert default[0] == 1 and 1 < default[1] <= _tile_rows(native.ext) and default[2] in (0, 256, 512, 1024)
     yield native.ext
     native.ext.set_bf16_decode_stream(*default)
 
@@ -39,7 +41,7 @@ def test_every_decode_stream_setting_gives_the_same_bits(native, decode_stream, 
     ref = {t: native.ext.linear_packed(x, w.data, w.n, f32_out=True, threads=t) for t in (1, 2)}
     assert torch.equal(ref[1], ref[2])
     for setting in [(4, 0, 0), (1, 1, 0), (4, 1, 0), (2, 0, 0), (64, 1, 0), (1, 3, 0), (1, 6, 0), (1, 0, 64),
-                    (1, 0, 4096), (3, 0, 1 << 20)]:
+                    (1, 0, 4096), (3, 0, 1 << 20), (1, 2, 1024), (4, 6, 64), (1, 1, 4096)]:
         decode_stream.set_bf16_decode_stream(*setting)
         assert decode_stream.bf16_decode_stream() == setting
         for t in (1, 2):
@@ -60,8 +62,6 @@ def test_a_bad_decode_stream_setting_is_refused_by_name(native, decode_stream):
         with pytest.raises(RuntimeError, match=f"prefetch_ahead must be a multiple of 64 bytes from 0 to 1048576, "
                                                f"not {bad}"):
             decode_stream.set_bf16_decode_stream(1, 0, bad)
-    with pytest.raises(RuntimeError, match="set one, not both"):
-        decode_stream.set_bf16_decode_stream(1, 2, 4096)
     assert decode_stream.bf16_decode_stream() == default
 
 
@@ -83,8 +83,13 @@ def test_decode_stream_bench_compares_every_setting(tmp_path, kernel_isa, monkey
     assert text.count(decode_stream_bench.SECTION) == 1 and "the same under every setting" in text
     default = load_native_ops(kernel_isa).default_bf16_decode_stream()
     every = decode_stream_bench.settings(default, (512, 8192))
-    assert [s.prefetch_ahead for s in every].count(0) == 4 and {s.prefetch_ahead for s in every} >= {512, 8192}
-    assert {s.prefetch_next_from for s in every} == {default[1], 0, 1}
+    # the default, four chunks, no prefetch, the next block at any rows, and the default's next-block
+    # rows with each distance below them (and with none, where the default has one)
+    assert every[0].label.startswith("default") and (every[0].prefetch_next_from, every[0].prefetch_ahead) == \
+        default[1:]
+    assert {(s.prefetch_next_from, s.prefetch_ahead) for s in every[2:]} == \
+        {(0, 0), (1, 0)} | {(default[1], a) for a in {0, 512, 8192} - {default[2]}}
+    assert len({s.label for s in every}) == len(every)
     for t, b in itertools.product((1, 2), (1, 3)):
         for s in every:
             row = re.search(rf"^\| {kernel_isa} \| {t} \| {b} \| {re.escape(s.label)} \| ([\d.]+) \| \d+% \| "
