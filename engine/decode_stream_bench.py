@@ -10,12 +10,12 @@ block's tile fetches into L2 in software nothing, the block its thread runs next
 matmuls of at least a number of rows each ISA path sets, the one each setting's label names; or at
 any rows), and below those rows nothing or its own stream a fixed distance ahead (the avx2 path's
 default 1 KiB, or `--ahead`, bytes; past a matrix's end that is the next matrix the step reads).
-Every setting computes the same bits; which is fastest depends on the CPU's memory path and on the rows. One model, every setting, in interleaved rounds of decode (a
-128-token prompt and 128 new tokens by default; `--batch 1,4` also times 4 sequences decoded
-together: up to one register tile of rows, 6 on avx2 and 12 on AVX-512, they take the same
-setting), each round's ratios taken within the round: these machines are shared and noisy. Each
-round starts one setting further on. The memory wall is the step's weight bytes at the read
-bandwidth measured in the same run.
+Every setting computes the same bits; which is fastest depends on the CPU's memory path and on the
+rows. One model, every setting, in interleaved rounds of decode (a 128-token prompt and 128 new
+tokens by default; `--batch 1,4` also times 4 sequences decoded together: up to one register tile of
+rows, 6 on avx2 and 12 on AVX-512, they take the same setting), each round's ratios taken within the
+round: these machines are shared and noisy. Each round starts one setting further on. The memory
+wall is the step's weight bytes at the read bandwidth measured in the same run.
 """
 from __future__ import annotations
 

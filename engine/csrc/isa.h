@@ -292,7 +292,7 @@ struct WidenTile {
   // decode rows from which a tile fetches its thread's next block (matmul_bf16.cpp g_decode_prefetch_from)
   static constexpr int kPrefetchFromRows = Vec::kRegs == 32 ? 3 : 2;
   // bytes ahead a tile of fewer decode rows fetches its own stream (matmul_bf16.cpp g_decode_ahead):
-  // avx2 1 KiB (a Zen 3's one row 1.06-1.09x), avx512 none
+  // avx2 1 KiB (a Zen 3's one row 1.00-1.10x), avx512 none
   static constexpr int64_t kPrefetchAhead = Vec::kRegs == 32 ? 0 : 1024;
   // rows of a chunk_rows group: kFull accumulators each, beside kFull weights and a broadcast
   static constexpr int kGroupRows = Vec::kRegs == 32 ? 8 : 3;

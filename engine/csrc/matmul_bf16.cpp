@@ -90,17 +90,18 @@ inline void rows_x_block(const XElem* x, const bf16* wb, Out* y, int64_t R, int6
 // 1.12-1.16x at 2-4 rows (BENCHMARKS.md "bf16 decode: how a thread streams its weights" and "bf16
 // decode on a Zen 3: how a thread streams its weights"). The next-block prefetch costs one row
 // 11-27% (Zen 4), 1-8% (Zen 3), but pays once a block takes a tile long enough to compute that
-// memory would idle meanwhile, so kPrefetchFromRows
-// (isa.h) sets from how many rows, per tile: avx2 from 2 (2-6 rows 1.5-2.0x on a Zen 4, 1.35-1.54x
-// on a Zen 3; its tile takes a block in 2-4 passes past one row), avx512 from 3 (3-12 rows
-// 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16 from 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x).
-// The own stream 1 KiB ahead, one row: on a Zen 3 1.06-1.09x in three runs at 1 and 2 threads,
-// where 1.5-2 KiB read 1.03-1.10x and 256-512 B 0.98-1.04x (the hardware prefetcher there keeps
-// one row's stream at 73-79% of the read wall); on a Zen 4 avx512bf16 1.02-1.04x in alternated
-// A/B runs, the avx2 build (which a Zen 4 runs only when asked) 0.90-0.99x, and 2 KiB or more lost
-// up to 44% there ("bf16 decode: a thread's own stream prefetched ahead"). So kPrefetchAhead
-// (isa.h) is 1 KiB on the avx2 build, which is what CPUs without AVX-512 run, and none on the
-// AVX-512 builds. Same bits either way.
+// memory would idle meanwhile, so kPrefetchFromRows (isa.h) sets from how many rows, per tile:
+// avx2 from 2 (2-6 rows 1.5-2.0x on a Zen 4, 1.35-1.54x on a Zen 3; its tile takes a block in 2-4
+// passes past one row), avx512 from 3 (3-12 rows 1.05-1.14x; 2 rows 0.86-0.92x), avx512bf16 from
+// 8 (8-12 rows 0.97-1.15x; 4 rows 0.83-0.93x).
+// The own stream 1 KiB ahead, one row, in three runs on a Zen 3: 1.06-1.10x at 1 thread and
+// 1.00-1.09x at 2, where 1.5-2 KiB read 1.03-1.10x and 256-512 B 0.98-1.04x (the hardware
+// prefetcher alone kept one row's stream at 70-77% of the read wall there; BENCHMARKS.md "bf16
+// decode on a Zen 3: one row prefetched 1 KiB ahead, reading it"). On a Zen 4, avx512bf16 read
+// 1.02-1.04x in alternated A/B runs, the avx2 build (which a Zen 4 runs only when asked)
+// 0.90-0.99x, and 2 KiB or more lost up to 44% ("bf16 decode: a thread's own stream prefetched
+// ahead"). So kPrefetchAhead (isa.h) is 1 KiB on the avx2 build, which is what CPUs without
+// AVX-512 run, and none on the AVX-512 builds. Same bits either way.
 // the defaults, in decode_stream's order: chunks a thread, prefetch_next_from, prefetch_ahead
 constexpr std::tuple<int, int, int64_t> kDefaultStream{1, MatmulTile::kPrefetchFromRows, MatmulTile::kPrefetchAhead};
 std::atomic<int> g_decode_chunks{std::get<0>(kDefaultStream)};
