@@ -49,13 +49,12 @@ def settings(default: tuple[int, int, int], ahead: tuple[int, ...] = DEFAULT_AHE
     def below(a: int) -> str:
         return f", {a / 1024:g} KiB ahead below" if a else ", nothing ahead below"
 
-    return (Setting(f"default: one run a thread, next block from {start} rows{below(own) if own else ''}",
-                    chunks, start, own),
+    return (Setting(f"default: one run a thread, next block from {start} rows{below(own)}", chunks, start, own),
             Setting("4 chunks a thread", 4, start, own),
             Setting("one run, no prefetch", 1, 0),
             Setting("one run, next block at any rows", 1, 1),
             *(Setting(f"one run, next block from {start} rows{below(a)}", 1, start, a)
-              for a in ((0,) if own else ()) + tuple(a for a in ahead if a != own)))
+              for a in (0, *ahead) if a != own))
 
 
 def load(model: str | None, isa: str):
