@@ -346,85 +346,103 @@ AttendFn<E> attend_for(int64_t D) {
 // sequence's bits do not depend on its batch.
 constexpr int64_t kPartTokens = 512;
 
+}  // namespace
+
 template <class E>
-void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
-                        int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D,
-                        float scale, int threads) {
-  const int64_t G = H / Hkv;
-  const int64_t tok_stride = Hkv * D, kv_stride = BS * Hkv * D, blk_stride = 2 * kv_stride;
-  const AttendFn<E> fn = attend_for<E>(D);
+DecodeAttention<E>::DecodeAttention(const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int threads)
+    : G_(H / Hkv), D_(D) {
   // Work items are (sequence, KV head) pairs, each query head group reading its
   // keys and values once; with fewer pairs than two per thread (a single stream:
   // SmolLM2's 3 KV heads on 2 threads ran 2:1) each query head is its own item
   // instead. Per head the sums are the same either way, so are the bits. A long
   // context is cut into parts (kPartTokens), one item each.
-  const int64_t Gi = B * Hkv < 2 * threads ? 1 : G;  // query heads per item of a short context
-  struct Item {
-    int64_t s, hk, h0, heads, t0, n, part;  // part: its slot in the partial results, -1 for none
-  };
-  std::vector<Item> items;
-  int64_t parts = 0;
+  const int64_t G = G_, Gi = B * Hkv < 2 * threads ? 1 : G;  // query heads per item of a short context
   for (int64_t s = 0; s < B; ++s)
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       const int64_t L = lens[s];
       if (L <= kPartTokens) {
-        for (int64_t j = 0; j < G / Gi; ++j) items.push_back({s, hk, hk * G + j * Gi, Gi, 0, L, -1});
+        for (int64_t j = 0; j < G / Gi; ++j) items_.push_back({s, hk, hk * G + j * Gi, Gi, 0, L, -1});
       } else {
         for (int64_t t0 = 0; t0 < L; t0 += kPartTokens)
-          items.push_back({s, hk, hk * G, G, t0, std::min(kPartTokens, L - t0), parts++});
+          items_.push_back({s, hk, hk * G, G, t0, std::min(kPartTokens, L - t0), parts_++});
       }
     }
-  std::vector<float> part_acc(parts * G * D), part_stats(parts * G * 2);
-  par_for(static_cast<int64_t>(items.size()), 1, threads, [&](int64_t a, int64_t b) {
-    std::vector<float>& qf = scratch(0);
-    std::vector<float>& scores = scratch(1);
-    std::vector<float>& acc = scratch(2);
-    qf.resize(G * D);
-    acc.resize(G * D);
-    std::vector<V> part(G * kL);
-    for (int64_t j = a; j < b; ++j) {
-      const Item& it = items[j];
-      const E* qs = q + it.s * qs0 + it.h0 * D;
-      for (int64_t i = 0; i < it.heads * D; ++i) qf[i] = f(qs[i]) * scale;
-      scores.resize(it.heads * ((it.n + kL - 1) / kL * kL));
-      float* ac = it.part < 0 ? acc.data() : part_acc.data() + it.part * G * D;
-      float* st = it.part < 0 ? nullptr : part_stats.data() + it.part * G * 2;
-      fn(qf.data(), tables + it.s * maxnb, kv + it.hk * D, BS, blk_stride, kv_stride, tok_stride, it.t0, it.n,
-         it.heads, D, scores.data(), ac, st, part.data());
-      if (it.part < 0) {
-        E* os = out + it.s * os0 + it.h0 * D;
-        for (int64_t i = 0; i < it.heads * D; ++i) os[i] = E(ac[i]);
-      }
+  part_acc_.resize(parts_ * G * D);
+  part_stats_.resize(parts_ * G * 2);
+}
+
+template <class E>
+void DecodeAttention<E>::run(const Args& a, int64_t first, int64_t last) {
+  const int64_t G = G_, D = D_, tok_stride = a.Hkv * D, kv_stride = a.BS * a.Hkv * D, blk_stride = 2 * kv_stride;
+  const AttendFn<E> fn = attend_for<E>(D);
+  std::vector<float>& qf = scratch(0);
+  std::vector<float>& scores = scratch(1);
+  std::vector<float>& acc = scratch(2);
+  qf.resize(G * D);
+  acc.resize(G * D);
+  std::vector<V> part(G * kL);
+  for (int64_t j = first; j < last; ++j) {
+    const Item& it = items_[j];
+    const E* qs = a.q + it.s * a.qs0 + it.h0 * D;
+    for (int64_t i = 0; i < it.heads * D; ++i) qf[i] = f(qs[i]) * a.scale;
+    scores.resize(it.heads * ((it.n + kL - 1) / kL * kL));
+    float* ac = it.part < 0 ? acc.data() : part_acc_.data() + it.part * G * D;
+    float* st = it.part < 0 ? nullptr : part_stats_.data() + it.part * G * 2;
+    fn(qf.data(), a.tables + it.s * a.maxnb, a.kv + it.hk * D, a.BS, blk_stride, kv_stride, tok_stride, it.t0, it.n,
+       it.heads, D, scores.data(), ac, st, part.data());
+    if (it.part < 0) {
+      E* os = a.out + it.s * a.os0 + it.h0 * D;
+      for (int64_t i = 0; i < it.heads * D; ++i) os[i] = E(ac[i]);
     }
-  });
+  }
+}
+
+template <class E>
+void DecodeAttention<E>::merge(const Args& a) {
+  const int64_t G = G_, D = D_;
   // each long context's parts, in order: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) s_c
   std::vector<float> merged(D);
-  for (size_t j = 0; j < items.size();) {
-    const Item& first = items[j];
+  for (size_t j = 0; j < items_.size();) {
+    const Item& first = items_[j];
     if (first.part < 0) {
       ++j;
       continue;
     }
     size_t end = j;
-    while (end < items.size() && items[end].s == first.s && items[end].hk == first.hk) ++end;
+    while (end < items_.size() && items_[end].s == first.s && items_[end].hk == first.hk) ++end;
     for (int64_t g = 0; g < G; ++g) {
       float m = -INFINITY;
-      for (size_t c = j; c < end; ++c) m = std::max(m, part_stats[(items[c].part * G + g) * 2]);
+      for (size_t c = j; c < end; ++c) m = std::max(m, part_stats_[(items_[c].part * G + g) * 2]);
       float sum = 0.f;
       float* o = merged.data();
       std::fill(o, o + D, 0.f);
       for (size_t c = j; c < end; ++c) {
-        const float w = std::exp(part_stats[(items[c].part * G + g) * 2] - m);
-        sum += w * part_stats[(items[c].part * G + g) * 2 + 1];
-        const float* pa = part_acc.data() + (items[c].part * G + g) * D;
+        const float w = std::exp(part_stats_[(items_[c].part * G + g) * 2] - m);
+        sum += w * part_stats_[(items_[c].part * G + g) * 2 + 1];
+        const float* pa = part_acc_.data() + (items_[c].part * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] += w * pa[d];
       }
       const float inv = 1.f / sum;
-      E* os = out + first.s * os0 + (first.h0 + g) * D;
+      E* os = a.out + first.s * a.os0 + (first.h0 + g) * D;
       for (int64_t d = 0; d < D; ++d) os[d] = E(o[d] * inv);
     }
     j = end;
   }
+}
+
+template class DecodeAttention<bf16>;
+template class DecodeAttention<float>;
+
+namespace {
+
+template <class E>
+void decode_attention_t(const E* q, int64_t qs0, const E* kv, int64_t BS, int64_t Hkv, const int64_t* tables,
+                        int64_t maxnb, const int64_t* lens, E* out, int64_t os0, int64_t B, int64_t H, int64_t D,
+                        float scale, int threads) {
+  DecodeAttention<E> plan(lens, B, H, Hkv, D, threads);
+  const typename DecodeAttention<E>::Args args{q, qs0, kv, BS, Hkv, tables, maxnb, out, os0, scale};
+  par_for(plan.size(), 1, threads, [&](int64_t a, int64_t b) { plan.run(args, a, b); });
+  plan.merge(args);
 }
 
 }  // namespace

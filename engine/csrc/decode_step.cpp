@@ -12,7 +12,9 @@
 // are stored: for the default model's Q4_1 layers, 5 bits a weight.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +22,23 @@
 #include "quant.h"
 
 namespace kvrelay {
+
+// Whether a fused step of more than one thread runs as one team (ops.h Team), and how many bytes of
+// its share of the next matrix a rank fetches while it waits at a barrier; else each op forks and
+// joins its threads (engine.decode_team_bench compares them).
+std::atomic<bool> g_team{true};
+std::atomic<int64_t> g_team_fetch{64 << 10};
+constexpr int64_t kMaxTeamFetch = 1 << 20;
+
+void set_decode_team(bool enabled, int64_t fetch_bytes) {
+  TORCH_CHECK(fetch_bytes >= 0 && fetch_bytes <= kMaxTeamFetch && fetch_bytes % 64 == 0,
+              "set_decode_team: fetch_bytes must be a multiple of 64 from 0 to ", kMaxTeamFetch, ", not ",
+              fetch_bytes);
+  g_team.store(enabled);
+  g_team_fetch.store(fetch_bytes);
+}
+
+std::tuple<bool, int64_t> decode_team() { return {g_team.load(), g_team_fetch.load()}; }
 
 // The four matmul weights of a layer, one of two kinds:
 struct PackedMat {  // bf16, packed (matmul_bf16.cpp): the bf16 model
@@ -32,15 +51,30 @@ struct PackedMat {  // bf16, packed (matmul_bf16.cpp): the bf16 model
     n = n_, k = k_, p = w.data_ptr<bf16>();
   }
   void operator()(const bf16* x, bf16* y, int64_t M, int threads) const { matmul_packed(x, p, y, M, k, n, threads); }
+  // output blocks [b0, b1) on the calling thread; the bytes those blocks' weights start at, a block's
+  void blocks(const bf16* x, bf16* y, int64_t M, int64_t b0, int64_t b1) const {
+    matmul_packed_blocks(x, p, y, M, k, n, b0, b1);
+  }
+  const void* block_bytes(int64_t b) const { return p + b * k * kPackedCols; }
+  int64_t bytes_per_block() const { return k * kPackedCols * static_cast<int64_t>(sizeof(bf16)); }
+  int64_t nblocks() const { return (n + kPackedCols - 1) / kPackedCols; }
 };
 struct QuantMat {  // quantized (quant.h), fp32 activations: the quantized model
   torch::Tensor q, scales, mins, scale_d, min_d, grid;
   int64_t bits = 0;
   QuantMatrix mat{};
+  int64_t block_words = 0;  // code words of a block of 32 columns
   void check(int64_t n_, int64_t k_, const char* what) {
     mat = quant_matrix(q, scales, mins, scale_d, min_d, n_, k_, bits, what, grid);
+    block_words = q.size(1) * kPackedCols;
   }
   void operator()(const float* x, float* y, int64_t M, int threads) const { matmul_quant(x, mat, y, M, threads); }
+  void blocks(const float* x, float* y, int64_t M, int64_t b0, int64_t b1) const {
+    matmul_quant(x, mat, y, M, 1, b0, b1);
+  }
+  const void* block_bytes(int64_t b) const { return mat.q + b * block_words; }  // (the codes)
+  int64_t bytes_per_block() const { return block_words * static_cast<int64_t>(sizeof(int32_t)); }
+  int64_t nblocks() const { return (mat.n + kPackedCols - 1) / kPackedCols; }
 };
 
 template <class E, class Mat>
@@ -88,60 +122,104 @@ class FusedDecoder {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     for (const auto* t : {&positions, &slot_blocks, &slot_offsets, &tables, &lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == M, "int64 metadata, M rows");
-    const int threads = static_cast<int>(threads_in);
+    for (const auto& kv : kv_caches)
+      TORCH_CHECK(kv.scalar_type() == kType && kv.is_contiguous() && kv.dim() == 5, "KV cache layout");
+    const int threads = static_cast<int>(std::max<int64_t>(threads_in, 1));
+    // a team (ops.h) runs the step when set and there are threads for one; else each op forks and joins
+    const int64_t ranks = g_team.load(std::memory_order_relaxed) ? threads : 1;
+    const int op_threads = ranks > 1 ? 1 : threads;  // the threads each op takes
     const int64_t nq = nh_ * hd_, nkvd = nkv_ * hd_, nqkv = nq + 2 * nkvd;
     auto opts = x_in.options();
-    torch::Tensor x = x_in.contiguous().clone();
-    torch::Tensor h = torch::empty({M, H}, opts), qkv = torch::empty({M, nqkv}, opts);
-    torch::Tensor attn = torch::empty({M, nq}, opts), proj = torch::empty({M, H}, opts);
-    torch::Tensor gu = torch::empty({M, 2 * I}, opts), act = torch::empty({M, I}, opts);
-    E *xp = x.data_ptr<E>(), *hp = h.data_ptr<E>(), *qkvp = qkv.data_ptr<E>();
-    E *attnp = attn.data_ptr<E>(), *projp = proj.data_ptr<E>(), *gup = gu.data_ptr<E>(), *actp = act.data_ptr<E>();
+    // what each rank keeps its own copy of (the residual stream, the normed rows, the MLP's activations),
+    // and what the ranks share (what matmuls and attention write, a share of the columns each)
+    torch::Tensor x = x_in.contiguous().unsqueeze(0).repeat({ranks, 1, 1});
+    torch::Tensor h = torch::empty({ranks, M, H}, opts), act = torch::empty({ranks, M, I}, opts);
+    torch::Tensor qkv = torch::empty({M, nqkv}, opts), attn = torch::empty({M, nq}, opts);
+    torch::Tensor proj = torch::empty({M, H}, opts), gu = torch::empty({M, 2 * I}, opts);
+    E *x0 = x.data_ptr<E>(), *h0 = h.data_ptr<E>(), *act0 = act.data_ptr<E>();
+    E *qkvp = qkv.data_ptr<E>(), *attnp = attn.data_ptr<E>(), *projp = proj.data_ptr<E>(), *gup = gu.data_ptr<E>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* sb = slot_blocks.data_ptr<int64_t>();
     const int64_t* so = slot_offsets.data_ptr<int64_t>();
-    const int64_t* tab = tables.data_ptr<int64_t>();
-    const int64_t* len = lens.data_ptr<int64_t>();
     const E* cosp = cos_.data_ptr<E>();
     const E* sinp = sin_.data_ptr<E>();
-
+    DecodeAttention<E> attention(lens.data_ptr<int64_t>(), M, nh_, nkv_, hd_, static_cast<int>(ranks > 1 ? ranks : threads));
+    typename DecodeAttention<E>::Args at_args{qkvp, nqkv, nullptr, 0, nkv_, tables.data_ptr<int64_t>(), tables.size(1),
+                                              attnp, nq, scale_};
     const bool residual_out = final_norm_.numel() == 0;
     const E* final_p = residual_out ? nullptr : final_norm_.template data_ptr<E>();
-    add_rms_norm(xp, nullptr, layers_[0].in_p, hp, M, H, eps_, threads);
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& L = layers_[li];
-      const torch::Tensor& kv = kv_caches[li];
-      TORCH_CHECK(kv.scalar_type() == kType && kv.is_contiguous() && kv.dim() == 5, "KV cache layout");
-      L.qkv(hp, qkvp, M, threads);
-      if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to E, as the unfused model adds it
-      if (L.q_norm.defined()) {
-        head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.qn_p, eps_, threads);
-        head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.kn_p, eps_, threads);
+    const int64_t fetch = g_team_fetch.load(std::memory_order_relaxed);
+
+    Team::run(static_cast<int>(ranks), [&](Team& team) {
+      E* xp = x0 + team.rank * M * H;
+      E* hp = h0 + team.rank * M * H;
+      E* actp = act0 + team.rank * M * I;
+      // y = x @ W^T: this rank's share of the blocks, then every rank's, waiting for which it
+      // fetches the start of its share of `next`, the matrix it reads next (null: none)
+      auto matmul = [&](const Mat& w, const E* in, E* out, const Mat* next) {
+        if (team.size == 1) return w(in, out, M, op_threads);
+        const auto [b0, b1] = team.share(w.nblocks());
+        w.blocks(in, out, M, b0, b1);
+        after(team, next, fetch);
+      };
+      add_rms_norm(xp, nullptr, layers_[0].in_p, hp, M, H, eps_, op_threads);
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const Layer& L = layers_[li];
+        E* kvp = kv_caches[li].data_ptr<E>();
+        matmul(L.qkv, hp, qkvp, &L.o);
+        if (team.rank == 0) {  // the new token's q and k, rotated, and its k and v into the cache: one rank
+          if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to E, as the unfused model adds it
+          if (L.q_norm.defined()) {
+            head_rms_norm(qkvp, nqkv, M, nh_, hd_, L.qn_p, eps_, op_threads);
+            head_rms_norm(qkvp + nq, nqkv, M, nkv_, hd_, L.kn_p, eps_, op_threads);
+          }
+          rope(qkvp, nqkv, hd_, M, nh_ + nkv_, hd_, cosp, sinp, pos, op_threads);
+          // this token's key and value into its slot: kv[block, 0|1, offset]
+          const int64_t BS = kv_caches[li].size(2), kv_half = BS * nkvd;
+          for (int64_t t = 0; t < M; ++t) {
+            E* slot = kvp + sb[t] * 2 * kv_half + so[t] * nkvd;
+            std::memcpy(slot, qkvp + t * nqkv + nq, nkvd * sizeof(E));
+            std::memcpy(slot + kv_half, qkvp + t * nqkv + nq + nkvd, nkvd * sizeof(E));
+          }
+        }
+        after(team, &L.o, fetch);
+        auto args = at_args;
+        args.kv = kvp, args.BS = kv_caches[li].size(2);
+        if (team.size == 1) {
+          par_for(attention.size(), 1, op_threads, [&](int64_t a, int64_t b) { attention.run(args, a, b); });
+          attention.merge(args);
+        } else {
+          const auto [a, b] = team.share(attention.size());
+          attention.run(args, a, b);
+          if (attention.has_parts()) {
+            team.barrier();
+            if (team.rank == 0) attention.merge(args);
+          }
+          after(team, &L.o, fetch);
+        }
+        matmul(L.o, attnp, projp, &L.gate_up);
+        add_rms_norm(xp, projp, L.post_p, hp, M, H, eps_, op_threads);
+        matmul(L.gate_up, hp, gup, &L.down);
+        silu_mul(gup, actp, M, I, op_threads);
+        matmul(L.down, actp, projp, li + 1 < layers_.size() ? &layers_[li + 1].qkv : nullptr);
+        // (no final norm: x += proj all the same; the h normed with layer 0's weight goes unused)
+        const E* next = li + 1 < layers_.size() ? layers_[li + 1].in_p : residual_out ? layers_[0].in_p : final_p;
+        add_rms_norm(xp, projp, next, hp, M, H, eps_, op_threads);
       }
-      rope(qkvp, nqkv, hd_, M, nh_ + nkv_, hd_, cosp, sinp, pos, threads);
-      // this token's key and value into its slot: kv[block, 0|1, offset]
-      E* kvp = kv.data_ptr<E>();
-      const int64_t BS = kv.size(2), kv_half = BS * nkvd;
-      for (int64_t t = 0; t < M; ++t) {
-        E* slot = kvp + sb[t] * 2 * kv_half + so[t] * nkvd;
-        std::memcpy(slot, qkvp + t * nqkv + nq, nkvd * sizeof(E));
-        std::memcpy(slot + kv_half, qkvp + t * nqkv + nq + nkvd, nkvd * sizeof(E));
-      }
-      decode_attention(qkvp, nqkv, kvp, BS, nkv_, tab, tables.size(1), len, attnp, nq, M, nh_, hd_, scale_,
-                       threads);
-      L.o(attnp, projp, M, threads);
-      add_rms_norm(xp, projp, L.post_p, hp, M, H, eps_, threads);
-      L.gate_up(hp, gup, M, threads);
-      silu_mul(gup, actp, M, I, threads);
-      L.down(actp, projp, M, threads);
-      // (no final norm: x += proj all the same; the h normed with layer 0's weight goes unused)
-      const E* next = li + 1 < layers_.size() ? layers_[li + 1].in_p : residual_out ? layers_[0].in_p : final_p;
-      add_rms_norm(xp, projp, next, hp, M, H, eps_, threads);
-    }
-    return residual_out ? x : h;
+    });
+    return (residual_out ? x : h)[0];
   }
 
  private:
+  // The barrier that ends a team's op (size > 1), fetching meanwhile up to `fetch` bytes of this
+  // rank's share of matrix `next`.
+  static void after(Team& team, const Mat* next, int64_t fetch) {
+    if (team.size == 1) return;
+    if (!next || fetch <= 0) return team.barrier();
+    const auto [b0, b1] = team.share(next->nblocks());
+    team.barrier(next->block_bytes(b0), std::min(fetch, (b1 - b0) * next->bytes_per_block()));
+  }
+
   static constexpr at::ScalarType kType = std::is_same_v<E, float> ? at::kFloat : at::kBFloat16;
   std::vector<Layer> layers_;
   torch::Tensor final_norm_, cos_, sin_;
@@ -245,6 +323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("prefetch_next_from"), py::arg("prefetch_ahead") = 0);
   m.def("bf16_decode_stream", &kvrelay::decode_stream);
   m.def("default_bf16_decode_stream", &kvrelay::default_decode_stream);
+  // whether a fused decode step of several threads runs as one team (decode_step.cpp), for every weight format
+  m.def("set_decode_team", &kvrelay::set_decode_team, py::arg("enabled"), py::arg("fetch_bytes") = 64 << 10);
+  m.def("decode_team", &kvrelay::decode_team);
   py::class_<kvrelay::Bf16Decoder>(m, "FusedDecoder", py::module_local())
       .def(py::init(&kvrelay::make_bf16_decoder))
       .def("forward", &kvrelay::Bf16Decoder::forward, release());

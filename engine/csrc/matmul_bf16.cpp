@@ -109,10 +109,14 @@ std::atomic<int> g_decode_prefetch_from{std::get<1>(kDefaultStream)};
 std::atomic<int64_t> g_decode_ahead{std::get<2>(kDefaultStream)};
 constexpr int64_t kMaxAhead = 1 << 20;
 
+// Output blocks [b0, b1) of the matrix's (all: b1 < 0).
 template <class Out>
-void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads) {
+void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, int64_t N, int threads,
+                 int64_t b0 = 0, int64_t b1 = -1) {
   if (M <= 0) return;
-  const int64_t blocks = (N + kCols - 1) / kCols;
+  if (b1 < 0) b1 = (N + kCols - 1) / kCols;
+  const int64_t blocks = b1 - b0;  // (each chunk's)
+  if (blocks <= 0) return;
   // Many rows (prefill): chunks of up to 4 MiB of activations, which stay in L3
   // while a thread runs them against its blocks; each block is read from memory
   // once per chunk and from L2 once per tile. Work items are (chunk, block),
@@ -167,11 +171,11 @@ void matmul_impl(const bf16* x, const bf16* wp, Out* y, int64_t M, int64_t K, in
   const int64_t ahead = decode && !fetch_next ? g_decode_ahead.load(std::memory_order_relaxed) : 0;
   par_for(chunks * blocks, 2, threads, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
-      const int64_t c = i / blocks, blk = i % blocks;
+      const int64_t c = i / blocks, blk = b0 + i % blocks;
       const int64_t m0 = c * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
       const bf16* wb = wp + blk * K * kCols;
       const bf16* next = ahead ? reinterpret_cast<const bf16*>(reinterpret_cast<const char*>(wb) + ahead)
-                         : fetch_next && i + 1 < b ? wp + (i + 1) % blocks * K * kCols
+                         : fetch_next && i + 1 < b ? wp + (b0 + (i + 1) % blocks) * K * kCols
                                                    : nullptr;
       if (xp)
         rows_x_block<Out, true>(xs + m0 * K, wb, y + m0 * N + blk * kCols, m1 - m0, K, N,
@@ -219,6 +223,11 @@ void matmul_packed(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K,
 
 void matmul_packed_f32(const bf16* x, const bf16* wp, float* y, int64_t M, int64_t K, int64_t N, int threads) {
   matmul_impl(x, wp, y, M, K, N, threads);
+}
+
+void matmul_packed_blocks(const bf16* x, const bf16* wp, bf16* y, int64_t M, int64_t K, int64_t N, int64_t b0,
+                          int64_t b1) {
+  matmul_impl(x, wp, y, M, K, N, 1, b0, b1);
 }
 
 }  // namespace kvrelay

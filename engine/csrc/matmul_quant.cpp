@@ -316,11 +316,13 @@ constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<
 }
 
 template <int BITS, int SF, int H = 1, bool MINS = BITS != 8>
-void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
+void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads, int64_t b0, int64_t b1) {
   constexpr int R = kRows<BITS>;
   static constexpr auto table = tile_table<BITS, SF, H, MINS>(std::make_integer_sequence<int, R>{});
   const int64_t N = w.n, K = w.k, blocks = (K + kBlockK - 1) / kBlockK;
-  const int64_t wblocks = (N + kPackedCols - 1) / kPackedCols, stride = blocks * kBlockInts;
+  if (b1 < 0) b1 = (N + kPackedCols - 1) / kPackedCols;
+  const int64_t wblocks = b1 - b0, stride = blocks * kBlockInts;  // (the output blocks run)
+  if (wblocks <= 0) return;
   std::vector<int32_t> digits(M * stride);
   std::vector<XBlock> xb(M * blocks);
   to_digits<kDigitBits<BITS>>(x, M, K, digits.data(), xb.data(), threads);
@@ -333,7 +335,7 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
   // process (BENCHMARKS.md "Quantized decode at 2 threads"); bf16 matmuls so gained nothing.
   par_for(chunks * wblocks, M <= R ? 2 : 1, threads, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
-      const int64_t c = i / wblocks, b = i % wblocks, m0 = c * chunk_rows, rows = std::min(M, m0 + chunk_rows) - m0;
+      const int64_t c = i / wblocks, b = b0 + i % wblocks, m0 = c * chunk_rows, rows = std::min(M, m0 + chunk_rows) - m0;
       const int64_t cols = std::min(kPackedCols, N - b * kPackedCols);
       for (int64_t m = m0; m < m0 + rows; m += R) {
         const int64_t r = std::min<int64_t>(R, m0 + rows - m);
@@ -346,60 +348,60 @@ void matmul_fmt(const float* x, const QuantMatrix& w, float* y, int64_t M, int t
 
 }  // namespace
 
-void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads) {
+void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads, int64_t b0, int64_t b1) {
   if (M <= 0) return;
   const bool g16 = w.group == 16 && w.k > 16;  // two groups of scales per block of 32 k
   constexpr int F32 = kScaleF32, F16 = kScaleF16, CODED = kScaleCoded;
   if (w.bits == kGridBits) {  // IQ4_NL (fp16 scales), IQ4_XS (scale codes; multiplied out: fp32)
     if (w.form == F16)
-      matmul_fmt<kGridBits, F16, 1, false>(x, w, y, M, threads);
+      matmul_fmt<kGridBits, F16, 1, false>(x, w, y, M, threads, b0, b1);
     else if (w.form == CODED)
-      matmul_fmt<kGridBits, CODED, 1, false>(x, w, y, M, threads);
+      matmul_fmt<kGridBits, CODED, 1, false>(x, w, y, M, threads, b0, b1);
     else
-      matmul_fmt<kGridBits, F32, 1, false>(x, w, y, M, threads);
+      matmul_fmt<kGridBits, F32, 1, false>(x, w, y, M, threads, b0, b1);
   } else if (w.form == CODED) {  // the k-quants as stored: 6-bit scale codes and an fp32 factor per 256 k
     if (w.bits == 4 && !w.mins)
-      matmul_fmt<4, CODED, 2, false>(x, w, y, M, threads);  // Q3_K: signed nibbles + 8, scale codes per 16 k
+      matmul_fmt<4, CODED, 2, false>(x, w, y, M, threads, b0, b1);  // Q3_K: signed nibbles + 8, scale codes per 16 k
     else if (w.bits == 4 && g16)
-      matmul_fmt<4, CODED, 2>(x, w, y, M, threads);  // Q2_K: 2-bit codes as nibbles, codes per 16 k
+      matmul_fmt<4, CODED, 2>(x, w, y, M, threads, b0, b1);  // Q2_K: 2-bit codes as nibbles, codes per 16 k
     else if (w.bits == 4)
-      matmul_fmt<4, CODED>(x, w, y, M, threads);  // Q4_K
+      matmul_fmt<4, CODED>(x, w, y, M, threads, b0, b1);  // Q4_K
     else if (w.bits == 5)
-      matmul_fmt<5, CODED>(x, w, y, M, threads);  // Q5_K
+      matmul_fmt<5, CODED>(x, w, y, M, threads, b0, b1);  // Q5_K
     else if (w.mins && g16)
-      matmul_fmt<8, CODED, 2, true>(x, w, y, M, threads);  // Q4_K beside Q6_K, fused: bytes per 16 k
+      matmul_fmt<8, CODED, 2, true>(x, w, y, M, threads, b0, b1);  // Q4_K beside Q6_K, fused: bytes per 16 k
     else if (w.mins)
-      matmul_fmt<8, CODED, 1, true>(x, w, y, M, threads);  // Q5_K held as bytes
+      matmul_fmt<8, CODED, 1, true>(x, w, y, M, threads, b0, b1);  // Q5_K held as bytes
     else if (g16)
-      matmul_fmt<8, CODED, 2>(x, w, y, M, threads);  // Q6_K: a scale code per 16 k
+      matmul_fmt<8, CODED, 2>(x, w, y, M, threads, b0, b1);  // Q6_K: a scale code per 16 k
     else
-      matmul_fmt<8, CODED>(x, w, y, M, threads);
+      matmul_fmt<8, CODED>(x, w, y, M, threads, b0, b1);
   } else if (w.bits == 4 && !w.mins && w.form == F16) {
-    matmul_fmt<4, F16, 1, false>(x, w, y, M, threads);  // Q4_0: signed nibbles + 8, an fp16 scale per 32 k
+    matmul_fmt<4, F16, 1, false>(x, w, y, M, threads, b0, b1);  // Q4_0: signed nibbles + 8, an fp16 scale per 32 k
   } else if (w.bits == 4 && !w.mins) {
-    matmul_fmt<4, F32, 2, false>(x, w, y, M, threads);  // Q3_K with its scales multiplied out
+    matmul_fmt<4, F32, 2, false>(x, w, y, M, threads, b0, b1);  // Q3_K with its scales multiplied out
   } else if (w.bits == 4 && w.form == F16) {
-    matmul_fmt<4, F16>(x, w, y, M, threads);  // Q4_1 (and Q4_0: its minimum is -8 scale)
+    matmul_fmt<4, F16>(x, w, y, M, threads, b0, b1);  // Q4_1 (and Q4_0: its minimum is -8 scale)
   } else if (w.bits == 4 && g16) {
-    matmul_fmt<4, F32, 2>(x, w, y, M, threads);  // Q2_K fused with Q4_0 or Q4_1: fp32, per 16 k
+    matmul_fmt<4, F32, 2>(x, w, y, M, threads, b0, b1);  // Q2_K fused with Q4_0 or Q4_1: fp32, per 16 k
   } else if (w.bits == 4) {
-    matmul_fmt<4, F32>(x, w, y, M, threads);  // fp32 scales and minimums per 32 k (4-bit parts fused)
+    matmul_fmt<4, F32>(x, w, y, M, threads, b0, b1);  // fp32 scales and minimums per 32 k (4-bit parts fused)
   } else if (w.bits == 5 && w.form == F16) {
-    matmul_fmt<5, F16>(x, w, y, M, threads);  // Q5_0 (its minimum -16 scale) and Q5_1
+    matmul_fmt<5, F16>(x, w, y, M, threads, b0, b1);  // Q5_0 (its minimum -16 scale) and Q5_1
   } else if (w.bits == 5) {
-    matmul_fmt<5, F32>(x, w, y, M, threads);  // 5-bit parts fused with Q5_K
+    matmul_fmt<5, F32>(x, w, y, M, threads, b0, b1);  // 5-bit parts fused with Q5_K
   } else if (w.form == F16 && !w.mins) {
-    matmul_fmt<8, F16>(x, w, y, M, threads);  // Q8_0 (and Q5_0 or Q4_0 beside it in a fused matmul)
+    matmul_fmt<8, F16>(x, w, y, M, threads, b0, b1);  // Q8_0 (and Q5_0 or Q4_0 beside it in a fused matmul)
   } else if (w.form == F16) {
-    matmul_fmt<8, F16, 1, true>(x, w, y, M, threads);  // unsigned bytes with fp16 minimums
+    matmul_fmt<8, F16, 1, true>(x, w, y, M, threads, b0, b1);  // unsigned bytes with fp16 minimums
   } else if (!w.mins && g16) {
-    matmul_fmt<8, F32, 2>(x, w, y, M, threads);  // an fp32 scale per 16 k (Q6_K parts fused)
+    matmul_fmt<8, F32, 2>(x, w, y, M, threads, b0, b1);  // an fp32 scale per 16 k (Q6_K parts fused)
   } else if (!w.mins) {
-    matmul_fmt<8, F32>(x, w, y, M, threads);  // int8, one fp32 scale per row
+    matmul_fmt<8, F32>(x, w, y, M, threads, b0, b1);  // int8, one fp32 scale per row
   } else if (g16) {
-    matmul_fmt<8, F32, 2, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 16 k
+    matmul_fmt<8, F32, 2, true>(x, w, y, M, threads, b0, b1);  // mixed formats, widened to bytes per 16 k
   } else {
-    matmul_fmt<8, F32, 1, true>(x, w, y, M, threads);  // mixed formats, widened to bytes per 32 k
+    matmul_fmt<8, F32, 1, true>(x, w, y, M, threads, b0, b1);  // mixed formats, widened to bytes per 32 k
   }
 }
 

@@ -69,7 +69,9 @@ struct QuantMatrix {
 // and per 32 k
 // y = fma(s * 2^-E, scale, y) (+ sum of X * 2^-E * min, 4-bit codes), in order,
 // whatever M is: a row's result does not depend on its batch or the ISA.
-void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads);
+// b0, b1: only output blocks [b0, b1) of 32 columns (b1 < 0: all), y's other columns untouched.
+void matmul_quant(const float* x, const QuantMatrix& w, float* y, int64_t M, int threads, int64_t b0 = 0,
+                  int64_t b1 = -1);
 // The QuantMatrix of tensors q (int32 [ceil(n/32), k/per, 32]), scales and mins
 // ([ceil(n/32), k/group, 32], both fp16, fp32 or int8 codes) and, for codes, scale_d
 // and min_d (fp32 [ceil(n/32), k/sup, 32]; min_d empty where mins is), checked;
