@@ -124,6 +124,18 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(hot_freq, (LOGITS / 2).softmax(-1), atol=0.015), hot_freq
 
 
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_possible_token(monkeypatch):
+    """The uniform draw times the probabilities' sum can round up to the sum itself, past every
+    entry: the token is then the last one of probability above zero, never an excluded one."""
+    import engine.sampler
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, -math.inf, 0.5, -math.inf, -math.inf]])
+    monkeypatch.setattr(engine.sampler.torch, "rand", lambda *a, **kw: torch.ones(1))
+    assert Sampler(0)(logits, [SamplingParams(temperature=1.0)], [0])[0] == [4]
+    monkeypatch.setattr(engine.sampler.torch, "rand", lambda *a, **kw: torch.zeros(1))
+    assert Sampler(0)(logits, [SamplingParams(temperature=1.0)], [0])[0] == [0]
+
+
 def test_seeded_rows_ignore_their_neighbours():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=g)
