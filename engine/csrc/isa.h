@@ -294,8 +294,14 @@ struct WidenTile {
   // bytes ahead a tile of fewer decode rows fetches its own stream (matmul_bf16.cpp g_decode_ahead):
   // avx2 1 KiB (a Zen 3's one row 1.00-1.10x), avx512 none
   static constexpr int64_t kPrefetchAhead = Vec::kRegs == 32 ? 0 : 1024;
-  // rows of a chunk_rows group: kFull accumulators each, beside kFull weights and a broadcast
-  static constexpr int kGroupRows = Vec::kRegs == 32 ? 8 : 3;
+  // rows of a chunk_rows group, and the vectors of columns a pass of it takes: G x kPassVectors
+  // accumulators beside kPassVectors weights and a broadcast. AVX2: 6 rows x 16 columns in two
+  // passes over the widened chunk (12 + 2 + 1 of its 16 registers), where 3 rows x all 32 columns
+  // (12 + 4 + 1: one short, so the compiler read weights as memory operands, once per row) ran
+  // prefill's matmuls at 63-70 GFLOPS on a Zen 3 core against torch's fp32 SGEMM's 86-93
+  // (BENCHMARKS.md "AVX2 matmul of many rows: 6 x 16 register tiles"). AVX-512: 8 rows x 32.
+  static constexpr int kGroupRows = Vec::kRegs == 32 ? 8 : 6;
+  static constexpr int kPassVectors = 2;
   static constexpr bool kBlocksK = true;  // rows_x_block hands several tiles to tiles_k_blocked
   // k of a block widened at a time: 64 x 32 fp32 = 8 KiB, with the tiles' x (16 rows: 4 KiB) in L1
   static constexpr int64_t kKChunk = 64;
@@ -366,35 +372,39 @@ struct WidenTile {
   }
 
   // G rows (x: their k-pairs, `rows` rows per k-pair) x 32 columns against kc k of the
-  // widened block: G kFull accumulators + kFull weights + 1 broadcast (AVX2, G = 3: 12 + 4
-  // + 1, one broadcast per 4 FMAs). The sums start at zero (first) or from part, and end
-  // in y (last) or in part.
+  // widened block, kPassVectors vectors of columns a pass: G x kPassVectors accumulators +
+  // kPassVectors weights + 1 broadcast (AVX2, G = 6: 12 + 2 + 1, one broadcast per 2 FMAs). The
+  // sums start at zero (first) or from part ([G][32]), and end in y (last) or in part; each is the
+  // same chain, k ascending, whatever the pass or group.
   template <int G, class Out>
   static void chunk_rows(const float* x, int64_t rows, const float* wf, int64_t kc, float* part, bool first,
                          bool last, Out* y, int64_t N, int64_t cols, Prefetcher& fetch) {
-    V acc[G][kFull];
+    constexpr int NV = kPassVectors;
+    for (int64_t c0 = 0; c0 < std::min<int64_t>(cols, kPackedCols); c0 += kL * NV) {  // (padding columns: none)
+      V acc[G][NV];
 #pragma GCC unroll 32
-    for (int i = 0; i < G * kFull; ++i)
-      acc[i / kFull][i % kFull] = first ? Vec::zero() : Vec::load(part + kL * i);
-    const float* xk = x;
-    const float* w = wf;
-    for (int64_t k = 0; k < kc; k += 2, xk += 2 * rows) {
-      fetch.step();
-      for (int j = 0; j < 2; ++j, w += kPackedCols) {
-        V wv[kFull];
-        for (int c = 0; c < kFull; ++c) wv[c] = Vec::load(w + kL * c);
-        for (int m = 0; m < G; ++m) {
-          const V xv = Vec::set1(xk[2 * m + j]);
-          for (int c = 0; c < kFull; ++c) acc[m][c] = Vec::fmadd(wv[c], xv, acc[m][c]);
+      for (int i = 0; i < G * NV; ++i)
+        acc[i / NV][i % NV] = first ? Vec::zero() : Vec::load(part + i / NV * kPackedCols + c0 + kL * (i % NV));
+      const float* xk = x;
+      const float* w = wf + c0;
+      for (int64_t k = 0; k < kc; k += 2, xk += 2 * rows) {
+        if (c0 == 0) fetch.step();
+        for (int j = 0; j < 2; ++j, w += kPackedCols) {
+          V wv[NV];
+          for (int c = 0; c < NV; ++c) wv[c] = Vec::load(w + kL * c);
+          for (int m = 0; m < G; ++m) {
+            const V xv = Vec::set1(xk[2 * m + j]);
+            for (int c = 0; c < NV; ++c) acc[m][c] = Vec::fmadd(wv[c], xv, acc[m][c]);
+          }
         }
       }
-    }
-    if (last) {
-      flush<G, kFull>(acc, y, N, cols);
-      return;
-    }
+      if (last) {
+        flush<G, NV>(acc, y + c0, N, cols - c0);
+        continue;
+      }
 #pragma GCC unroll 32
-    for (int i = 0; i < G * kFull; ++i) Vec::store(part + kL * i, acc[i / kFull][i % kFull]);
+      for (int i = 0; i < G * NV; ++i) Vec::store(part + i / NV * kPackedCols + c0 + kL * (i % NV), acc[i / NV][i % NV]);
+    }
   }
 
   // vectors of kL columns per row per pass: the whole block for one row, else as many as
