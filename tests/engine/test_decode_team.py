@@ -5,6 +5,8 @@ compute what one thread computes, bit for bit, in every weight format, whatever 
 (more threads than cores, than a matrix has blocks), and a bad setting is refused by name."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -124,3 +126,35 @@ def test_a_bad_team_setting_is_refused_by_name(kernel_isa, team_ext, fetch):
     with pytest.raises(RuntimeError, match=f"set_decode_team: fetch_bytes must be a multiple of 64 .* not {fetch}"):
         ext.set_decode_team(True, fetch)
     assert ext.decode_team() == before
+
+
+def test_the_team_bench_writes_every_setting_with_its_ratio(tmp_path, monkeypatch, kernel_isa):
+    """engine.decode_team_bench on a tiny model, 2 rounds: a row per weight format and setting, the
+    joins first at 1.00x; the module's setting put back; bad arguments refused by name."""
+    from engine import benchmarks_md, decode_team_bench
+    from tests.engine.factories import save_tiny_model
+
+    save_tiny_model(tmp_path / "m", "llama")
+    md = tmp_path / "BENCHMARKS.md"
+    write = benchmarks_md.write_section
+    monkeypatch.setattr(benchmarks_md, "write_section", lambda text: write(text, md))
+    before = load_native_ops(kernel_isa).decode_team()
+    assert decode_team_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--rounds", "2",
+                                   "--prompt-len", "16", "--new-tokens", "8", "--quantization", "none,int8",
+                                   "--fetch", "0,4096", "--write"]) == 0
+    text = md.read_text()
+    assert text.count(decode_team_bench.SECTION) == 1 and "Same bits under every setting" in text
+    every = decode_team_bench.settings(before[1], (0, 4096))
+    assert [s[1] for s in every] == [False, True, True, True] and len({s[0] for s in every}) == 4
+    for quant in ("none", "int8"):
+        for s in every:
+            row = re.search(rf"^\| {quant} \| {kernel_isa} \| 2 \| {re.escape(s[0])} \| ([\d.]+) \| ([\d.]+)x \| "
+                            rf"([\d.]+) \| \d+% \| ([\d.]+), ([\d.]+) \| \*\*([\d.]+)x\*\* \|$", text, re.M)
+            assert row and all(float(g) > 0 for g in row.groups()), (quant, s, text)
+            if s == every[0]:
+                assert row.groups()[3:] == ("1.00", "1.00", "1.00")
+    assert load_native_ops(kernel_isa).decode_team() == before
+    with pytest.raises(SystemExit, match="--fetch 100: must be a multiple of 64"):
+        decode_team_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--fetch", "100"])
+    with pytest.raises(SystemExit, match="--threads 1,2: a team needs 2 threads or more"):
+        decode_team_bench.main(["--model", str(tmp_path / "m"), "--isa", kernel_isa, "--threads", "1,2"])
