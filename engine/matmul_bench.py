@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-SECTION = "## bf16 matmul by rows against torch's fp32 SGEMM"
+SECTION = "## bf16 matmul by rows against torch fp32 SGEMM"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "LM head": (49152, 576)}
 
 
