@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -83,11 +84,14 @@ class Team {
       return;
     }
     const char* p = static_cast<const char*>(pf);
-    for (int64_t done = 0; state_.gen.load(std::memory_order_acquire) == gen && !state_.failed.load(std::memory_order_relaxed);) {
+    for (int64_t done = 0, turns = 0;
+         state_.gen.load(std::memory_order_acquire) == gen && !state_.failed.load(std::memory_order_relaxed); ++turns) {
       if (done < bytes)  // a few lines a turn: the flag is looked at between them
         for (const int64_t end = std::min(bytes, done + 256); done < end; done += 64) _mm_prefetch(p + done, _MM_HINT_T1);
-      else
+      else if (turns < kSpinTurns)
         _mm_pause();
+      else  // long enough that the rank awaited may have lost its core (more threads than cores): give it ours
+        std::this_thread::yield();
     }
   }
   // fn(team) on min(threads, the pool's) threads of one OpenMP region (1: on the caller, with no
@@ -119,6 +123,9 @@ class Team {
   }
 
  private:
+  // turns of a barrier's wait spent spinning before each turn yields the core instead: tens of us,
+  // several times a step's longest wait when every rank has a core of its own
+  static constexpr int64_t kSpinTurns = 1 << 11;
   struct State {
     alignas(64) std::atomic<int> arrived{0};
     alignas(64) std::atomic<int> gen{0};
