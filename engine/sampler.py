@@ -37,9 +37,9 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tor
 def _draw(probs: torch.Tensor, g: torch.Generator) -> int:
     """One token drawn from probs [V] by inverting its cumulative sum at a uniform draw: one random
     number a row. (An exponential race, argmax(p / E) with E ~ Exp(1) per entry, which
-    torch.multinomial also runs, takes a log per vocabulary entry: 0.86 ms a row of the default
-    model's 49k on a Zen 3 core, a tenth of a single-stream step; BENCHMARKS.md "Sampling at
-    temperature > 0: one draw a row".) An entry of probability 0 is never drawn: the cumulative
+    torch.multinomial also runs, takes a log per vocabulary entry: 1.2 ms a row of the default
+    model's 49k on a Zen 3 core against 0.08 ms so, and 9% of a served replica's time; BENCHMARKS.md
+    "On the Zen 3, 2026-12-07 evening: one draw a row, and 6 x 16 AVX2 tiles".) An entry of probability 0 is never drawn: the cumulative
     sum does not pass u there."""
     cdf = probs.cumsum(-1)
     total = cdf[-1]

@@ -143,7 +143,7 @@ class FusedDecoder {
     const int64_t* so = slot_offsets.data_ptr<int64_t>();
     const E* cosp = cos_.data_ptr<E>();
     const E* sinp = sin_.data_ptr<E>();
-    DecodeAttention<E> attention(lens.data_ptr<int64_t>(), M, nh_, nkv_, hd_, static_cast<int>(ranks > 1 ? ranks : threads));
+    DecodeAttention<E> attention(lens.data_ptr<int64_t>(), M, nh_, nkv_, hd_, threads);
     typename DecodeAttention<E>::Args at_args{qkvp, nqkv, nullptr, 0, nkv_, tables.data_ptr<int64_t>(), tables.size(1),
                                               attnp, nq, scale_};
     const bool residual_out = final_norm_.numel() == 0;
@@ -166,6 +166,7 @@ class FusedDecoder {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
         E* kvp = kv_caches[li].data_ptr<E>();
+        const int64_t BS = kv_caches[li].size(2);  // tokens a cache block holds
         matmul(L.qkv, hp, qkvp, &L.o);
         if (team.rank == 0) {  // the new token's q and k, rotated, and its k and v into the cache: one rank
           if (L.qkv_b.defined()) qkv.add_(L.qkv_b);  // rounded to E, as the unfused model adds it
@@ -175,7 +176,7 @@ class FusedDecoder {
           }
           rope(qkvp, nqkv, hd_, M, nh_ + nkv_, hd_, cosp, sinp, pos, op_threads);
           // this token's key and value into its slot: kv[block, 0|1, offset]
-          const int64_t BS = kv_caches[li].size(2), kv_half = BS * nkvd;
+          const int64_t kv_half = BS * nkvd;
           for (int64_t t = 0; t < M; ++t) {
             E* slot = kvp + sb[t] * 2 * kv_half + so[t] * nkvd;
             std::memcpy(slot, qkvp + t * nqkv + nq, nkvd * sizeof(E));
@@ -184,7 +185,7 @@ class FusedDecoder {
         }
         after(team, &L.o, fetch);
         auto args = at_args;
-        args.kv = kvp, args.BS = kv_caches[li].size(2);
+        args.kv = kvp, args.BS = BS;
         if (team.size == 1) {
           par_for(attention.size(), 1, op_threads, [&](int64_t a, int64_t b) { attention.run(args, a, b); });
           attention.merge(args);
