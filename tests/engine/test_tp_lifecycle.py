@@ -144,7 +144,8 @@ def test_a_dead_or_stuck_rank_fails_the_step_in_bounded_time(model, how):
 
 
 SCRIPT = textwrap.dedent("""
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's ask for the stacks of an exit that hangs
     from engine.llm import LLM
     from engine.sampling import SamplingParams
     if __name__ == "__main__":
@@ -162,15 +163,23 @@ def test_ctrl_c_or_killing_rank_0_leaves_no_worker(model, tmp_path, sig):
     script = tmp_path / "serve_tp.py"
     script.write_text(SCRIPT)
     before = segments()
-    proc = subprocess.Popen([sys.executable, str(script), str(model)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    err = tmp_path / "stderr.txt"  # a file, not a pipe nobody reads while the script runs
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, str(script), str(model)], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=err_file, text=True)
     try:
         line = proc.stdout.readline()
-        assert line.startswith("pids"), proc.stderr.read()
+        assert line.startswith("pids"), err.read_text()
         pids = [int(p) for p in line.split()[1:]]
         time.sleep(0.5)  # generating
         proc.send_signal(sig)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # say where rank 0 is stuck
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            pytest.fail(f"rank 0 still runs 30 s after {sig.name}; its stderr, with every thread's stack:\n"
+                        f"{err.read_text()[-12000:]}")
         assert wait_gone(pids, 10.0)
         assert segments() <= before
     finally:
