@@ -38,9 +38,9 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> int:
     """One token drawn from probs [V] by inverting its cumulative sum at a uniform draw: one random
     number a row. (An exponential race, argmax(p / E) with E ~ Exp(1) per entry, which
     torch.multinomial also runs, takes a log per vocabulary entry: 1.2 ms a row of the default
-    model's 49k on a Zen 3 core against 0.08 ms so, and 9% of a served replica's time; BENCHMARKS.md
-    "On the Zen 3, 2026-12-07 evening: one draw a row, and 6 x 16 AVX2 tiles".) An entry of probability 0 is never drawn: the cumulative
-    sum does not pass u there."""
+    model's 49k on a Zen 3 core, where this takes 0.08 ms, and was 9% of a served replica's time;
+    BENCHMARKS.md "On the Zen 3, 2026-12-07 evening: one draw a row, and 6 x 16 AVX2 tiles".)
+    An entry of probability 0 is never drawn: the cumulative sum does not pass u there."""
     cdf = probs.cumsum(-1)
     total = cdf[-1]
     i = int(torch.searchsorted(cdf, torch.rand(1, generator=g) * total, right=True))
